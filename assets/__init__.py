@@ -1,0 +1,1 @@
+"""The thin Dagster layer over qumem_pipeline: assets, sensors, jobs, and the Definitions."""

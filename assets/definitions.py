@@ -1,0 +1,38 @@
+"""The one place that builds the Definitions: assets, jobs, sensors, resources, executor."""
+
+import dagster as dg
+
+from assets.forget import forget_user_job
+from assets.ingest import turns
+from assets.partitions import users_partitions
+from assets.sensors import MAIN_JOB_NAME, user_discovery_sensor
+from assets.warehouse import warehouse
+from resources import resources_for
+
+ALL_ASSETS = [turns, warehouse]
+
+main_job = dg.define_asset_job(
+    MAIN_JOB_NAME,
+    selection=dg.AssetSelection.assets(*ALL_ASSETS),
+    partitions_def=users_partitions,
+    description="Everything for the selected users: ingest -> ... -> warehouse.",
+)
+ingest_job = dg.define_asset_job(
+    "ingest_job",
+    selection=dg.AssetSelection.assets(turns, warehouse),
+    partitions_def=users_partitions,
+    description="Ingest and validate the archive into the turn table and the warehouse.",
+)
+
+
+def build_definitions(env: str | None = None) -> dg.Definitions:
+    return dg.Definitions(
+        assets=ALL_ASSETS,
+        jobs=[main_job, ingest_job, forget_user_job],
+        sensors=[user_discovery_sensor],
+        resources=resources_for(env),
+        executor=dg.in_process_executor,
+    )
+
+
+defs = build_definitions()

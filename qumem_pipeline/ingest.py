@@ -1,0 +1,135 @@
+"""Archive -> validated turn table -> per-user Parquet partitions, with per-user fingerprints.
+
+The fingerprint is a content hash of a user's validated turns. It is what lets a nightly
+run rebuild only users whose history changed, and what discovery compares against.
+"""
+
+import hashlib
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import polars as pl
+
+from qumem_pipeline.forget import ForgetRegistry
+from qumem_pipeline.ids import is_valid_user_id
+from qumem_pipeline.importers.base import ImportResult
+from qumem_pipeline.schema import UNATTRIBUTED
+from qumem_pipeline.storage import DataLayout
+from qumem_pipeline.validate import DEFAULT_MAX_TEXT_CHARS, ValidationResult, validate
+from qumem_pipeline.versions import CODE_VERSION
+
+FINGERPRINT_SCHEMA = {
+    "user_id": pl.String,
+    "fingerprint": pl.String,
+    "n_turns": pl.Int64,
+    "n_quarantined": pl.Int64,
+    "code_version": pl.String,
+}
+_FINGERPRINT_FIELDS = ["conversation_id", "session_id", "role", "speaker", "text", "timestamp", "source_ref"]
+
+
+@dataclass(frozen=True)
+class ArchiveConfig:
+    path: str
+    format: str | None = None  # None = detect from the path
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
+    strict: bool = False
+
+
+def import_archive(cfg: ArchiveConfig) -> ImportResult:
+    from qumem_pipeline.importers import import_archive as dispatch
+
+    if not os.path.exists(cfg.path) and not any(ch in cfg.path for ch in "*?["):
+        raise FileNotFoundError(f"archive not found: {cfg.path}")
+    return dispatch(cfg.path, cfg.format)
+
+
+def load_archive(cfg: ArchiveConfig, forgotten: ForgetRegistry | None = None) -> ValidationResult:
+    """Import and validate the whole archive; forgotten users' rows never get past this point."""
+    result = validate(import_archive(cfg), max_text_chars=cfg.max_text_chars, strict=cfg.strict)
+    if forgotten is not None and len(forgotten):
+        keep_t = ~pl.col("user_id").map_elements(forgotten.contains, return_dtype=pl.Boolean)
+        result = ValidationResult(
+            turns=result.turns.filter(keep_t),
+            quarantine=result.quarantine.filter(
+                pl.col("user_id").is_null() | ~pl.col("user_id").map_elements(forgotten.contains, return_dtype=pl.Boolean)
+            ),
+        )
+    return result
+
+
+def user_fingerprints(turns: pl.DataFrame) -> dict[str, str]:
+    """sha256 of each user's turns in history order (stable across runs and machines)."""
+    if turns.height == 0:
+        return {}
+    line = pl.concat_str(
+        [pl.col("turn_index").cast(pl.String)]
+        + [pl.col(c).cast(pl.String).fill_null("\u2400") for c in _FINGERPRINT_FIELDS],
+        separator="\x1f",
+    )
+    joined = (
+        turns.sort(["user_id", "turn_index"])
+        .group_by("user_id", maintain_order=True)
+        .agg(line.str.join("\x1e").alias("blob"))
+    )
+    return {
+        u: hashlib.sha256(b.encode("utf-8")).hexdigest()
+        for u, b in zip(joined["user_id"].to_list(), joined["blob"].to_list())
+    }
+
+
+def write_users(
+    layout: DataLayout,
+    result: ValidationResult,
+    user_ids: list[str],
+    progress=None,
+) -> dict[str, dict]:
+    """Write turns, quarantine and fingerprint partitions for each of `user_ids`."""
+    turns_by_user = {k[0]: v for k, v in result.turns.partition_by("user_id", as_dict=True).items()} if result.turns.height else {}
+    q = result.quarantine.with_columns(
+        _key=pl.col("user_id").map_elements(lambda u: u if is_valid_user_id(u) else UNATTRIBUTED, return_dtype=pl.String)
+    )
+    q_by_user = {k[0]: v.drop("_key") for k, v in q.partition_by("_key", as_dict=True).items()} if q.height else {}
+    fps = user_fingerprints(result.turns.filter(pl.col("user_id").is_in(user_ids)))
+    empty_turns = result.turns.clear()
+    empty_q = result.quarantine.clear()
+    stats: dict[str, dict] = {}
+    for i, u in enumerate(user_ids, start=1):
+        t = turns_by_user.get(u, empty_turns)
+        qq = q_by_user.get(u, empty_q)
+        layout.write_user_table("turns", u, t)
+        layout.write_user_table("quarantine", u, qq)
+        fp = fps.get(u, hashlib.sha256(b"").hexdigest())
+        layout.write_user_table(
+            "fingerprints",
+            u,
+            pl.DataFrame(
+                {"user_id": [u], "fingerprint": [fp], "n_turns": [t.height], "n_quarantined": [qq.height], "code_version": [CODE_VERSION]},
+                schema=FINGERPRINT_SCHEMA,
+            ),
+        )
+        stats[u] = {"turns": t.height, "quarantined": qq.height, "fingerprint": fp}
+        if progress:
+            progress(i, len(user_ids))
+    return stats
+
+
+def write_unattributed_quarantine(layout: DataLayout, result: ValidationResult) -> int:
+    """Rows with no usable user id cannot live under a user: keep them in their own partition."""
+    q = result.quarantine.filter(
+        pl.col("user_id").map_elements(lambda u: not is_valid_user_id(u), return_dtype=pl.Boolean, skip_nulls=False)
+    )
+    layout.write_user_table("quarantine", UNATTRIBUTED, q)
+    return q.height
+
+
+def recorded_fingerprints(layout: DataLayout) -> dict[str, str]:
+    df = layout.read_table("fingerprints")
+    if df is None or df.height == 0:
+        return {}
+    return dict(zip(df["user_id"].to_list(), df["fingerprint"].to_list()))
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)

@@ -1,0 +1,103 @@
+"""Hive-partitioned Parquet under one data root: `<root>/<table>/user_id=<id>/part-0.parquet`.
+
+One file per (table, user), replaced atomically (temp file in the same directory + rename),
+so a crashed run leaves either the old file or the new one, never half of either, and a
+rerun simply overwrites. Every per-user artifact (tables, index files) lives under a
+`user_id=<id>` directory, which is what makes forgetting a user complete and simple.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import polars as pl
+
+from qumem_pipeline.ids import validate_user_id
+from qumem_pipeline.schema import UNATTRIBUTED
+
+PART_FILE = "part-0.parquet"
+TMP_PREFIX = ".tmp-"
+
+
+class DataLayout:
+    """Paths and atomic reads/writes of every per-user table under the data root."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def table_dir(self, table: str) -> Path:
+        if not table.replace("_", "").isalnum():
+            raise ValueError(f"invalid table name {table!r}")
+        return self.root / table
+
+    def user_dir(self, table: str, user_id: str) -> Path:
+        if user_id != UNATTRIBUTED:
+            validate_user_id(user_id)
+        return self.table_dir(table) / f"user_id={user_id}"
+
+    def user_file(self, table: str, user_id: str) -> Path:
+        return self.user_dir(table, user_id) / PART_FILE
+
+    def write_user_table(self, table: str, user_id: str, df: pl.DataFrame) -> Path:
+        """Atomically replace one user's partition of `table` (an empty frame is written too)."""
+        target = self.user_file(table, user_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".parquet", dir=target.parent)
+        os.close(fd)
+        try:
+            df.write_parquet(tmp, compression="zstd", statistics=True)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+    def read_user_table(self, table: str, user_id: str) -> pl.DataFrame | None:
+        path = self.user_file(table, user_id)
+        return pl.read_parquet(path) if path.exists() else None
+
+    def read_table(self, table: str, user_ids: list[str] | None = None) -> pl.DataFrame | None:
+        files = self.table_files(table, user_ids)
+        return pl.read_parquet(files) if files else None
+
+    def table_files(self, table: str, user_ids: list[str] | None = None) -> list[Path]:
+        base = self.table_dir(table)
+        if user_ids is None:
+            return sorted(base.glob(f"user_id=*/{PART_FILE}")) if base.exists() else []
+        return [p for p in (self.user_file(table, u) for u in user_ids) if p.exists()]
+
+    def tables(self) -> list[str]:
+        if not self.root.exists():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and any(p.glob("user_id=*")))
+
+    def users_in(self, table: str) -> list[str]:
+        base = self.table_dir(table)
+        if not base.exists():
+            return []
+        return sorted(p.name.split("=", 1)[1] for p in base.glob("user_id=*") if p.is_dir())
+
+    def delete_user(self, user_id: str) -> list[Path]:
+        """Remove the user's directory from every table (and any index files under it)."""
+        validate_user_id(user_id)
+        removed = []
+        if not self.root.exists():
+            return removed
+        for table_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            d = table_dir / f"user_id={user_id}"
+            if d.exists():
+                shutil.rmtree(d)
+                removed.append(d)
+        return removed
+
+    def clean_temp_files(self) -> int:
+        """Remove temp files a killed writer left behind; safe because targets are only ever renamed into."""
+        n = 0
+        if self.root.exists():
+            for p in self.root.rglob(f"{TMP_PREFIX}*"):
+                p.unlink(missing_ok=True)
+                n += 1
+        return n

@@ -1,0 +1,201 @@
+"""One set of validation rules for every source: raw frame in, valid turns + quarantine out.
+
+Vectorised in polars so validating a million turns costs about as much as reading them.
+Each bad row is quarantined with the first field that failed and a specific reason; the
+valid rows of the same file carry on. In strict mode any bad row fails the run instead.
+"""
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import polars as pl
+
+from qumem_pipeline.ids import USER_ID_PATTERN
+from qumem_pipeline.importers.base import ImportResult, ParseFailure
+from qumem_pipeline.schema import QUARANTINE_SCHEMA, ROLES, TURN_SCHEMA, UNATTRIBUTED
+from qumem_pipeline.versions import CODE_VERSION
+
+DEFAULT_MAX_TEXT_CHARS = 100_000
+# Timestamps further ahead than this (clock skew allowance) are treated as bad data.
+FUTURE_TOLERANCE = timedelta(days=1)
+
+TURN_POLARS_SCHEMA = pl.Schema(pl.DataFrame(TURN_SCHEMA.empty_table()).schema)
+QUARANTINE_POLARS_SCHEMA = pl.Schema(pl.DataFrame(QUARANTINE_SCHEMA.empty_table()).schema)
+
+
+class StrictValidationError(ValueError):
+    """Raised in strict mode: the archive has bad rows and the operator asked to fail on them."""
+
+
+@dataclass
+class ValidationResult:
+    turns: pl.DataFrame
+    quarantine: pl.DataFrame
+
+    def counts(self) -> dict:
+        reasons = (
+            self.quarantine.group_by("field").len().sort("field").rows()
+            if self.quarantine.height
+            else []
+        )
+        return {
+            "valid_turns": self.turns.height,
+            "quarantined": self.quarantine.height,
+            "users": self.turns["user_id"].n_unique() if self.turns.height else 0,
+            "quarantined_by_field": {f: n for f, n in reasons},
+        }
+
+
+def parse_timestamps(col: pl.Expr) -> pl.Expr:
+    """ISO-8601 (Z, offset or naive = UTC), 'YYYY-MM-DD HH:MM:SS', a date, or epoch seconds -> UTC."""
+    s = col.str.strip_chars()
+    with_tz = s.str.replace(r"Z$", "+00:00").str.replace(r" ", "T").str.to_datetime(
+        "%Y-%m-%dT%H:%M:%S%.f%z", strict=False, time_unit="us", time_zone="UTC"
+    )
+    naive = (
+        s.str.replace(r" ", "T")
+        .str.to_datetime("%Y-%m-%dT%H:%M:%S%.f", strict=False, time_unit="us")
+        .dt.replace_time_zone("UTC")
+    )
+    date_only = s.str.to_date("%Y-%m-%d", strict=False).cast(pl.Datetime("us")).dt.replace_time_zone("UTC")
+    epoch = s.cast(pl.Float64, strict=False)
+    from_epoch = (
+        pl.when(epoch.is_finite() & (epoch.abs() < 1e11))
+        .then((epoch * 1_000_000).cast(pl.Int64, strict=False))
+        .otherwise(None)
+        .cast(pl.Datetime("us"))
+        .dt.replace_time_zone("UTC")
+    )
+    return pl.coalesce(with_tz, naive, date_only, from_epoch)
+
+
+def _first_failure(checks: list[tuple[str, pl.Expr, pl.Expr]]) -> tuple[pl.Expr, pl.Expr]:
+    """Fold (field, failed?, reason) checks into the first failing field and its reason."""
+    field: pl.Expr = pl.lit(None, dtype=pl.String)
+    reason: pl.Expr = pl.lit(None, dtype=pl.String)
+    for name, failed, why in reversed(checks):
+        field = pl.when(failed).then(pl.lit(name)).otherwise(field)
+        reason = pl.when(failed).then(why).otherwise(reason)
+    return field, reason
+
+
+def validate(
+    imported: ImportResult,
+    *,
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    strict: bool = False,
+    now: datetime | None = None,
+) -> ValidationResult:
+    now = now or datetime.now(timezone.utc)
+    raw = imported.raw.with_row_index("_pos")
+    ts = parse_timestamps(pl.col("timestamp"))
+    uid = pl.col("user_id")
+    valid_uid = uid.str.contains(USER_ID_PATTERN.pattern) & ~uid.str.contains(r"\.\.", literal=False)
+    text_len = pl.col("text").str.len_chars()
+    horizon = now + FUTURE_TOLERANCE
+    checks = [
+        ("user_id", uid.is_null(), pl.lit("missing user_id")),
+        ("user_id", ~valid_uid, pl.lit("invalid user id (allowed: ") + pl.lit(USER_ID_PATTERN.pattern) + pl.lit(", no '..')")),
+        ("conversation_id", pl.col("conversation_id").is_null() | (pl.col("conversation_id").str.strip_chars() == ""), pl.lit("missing conversation_id")),
+        ("role", pl.col("role").is_null(), pl.lit("missing role")),
+        ("role", ~pl.col("role").is_in(list(ROLES)), pl.lit("unknown role '") + pl.col("role") + pl.lit("' (expected one of user, assistant, other)")),
+        ("text", pl.col("text").is_null() | (pl.col("text").str.strip_chars() == ""), pl.lit("missing text")),
+        ("text", text_len > max_text_chars, pl.lit("oversize text: ") + text_len.cast(pl.String) + pl.lit(f" chars > limit {max_text_chars}")),
+        ("timestamp", pl.col("timestamp").is_not_null() & ts.is_null(), pl.lit("unparseable timestamp '") + pl.col("timestamp").str.slice(0, 64) + pl.lit("'")),
+        ("timestamp", ts > pl.lit(horizon), pl.lit("timestamp in the future: ") + pl.col("timestamp").str.slice(0, 64)),
+        ("turn_index", pl.col("turn_index") < 0, pl.lit("negative turn_index")),
+    ]
+    field, reason = _first_failure(checks)
+    checked = raw.with_columns(_ts=ts, _field=field, _reason=reason)
+    bad = checked.filter(pl.col("_field").is_not_null())
+    good = checked.filter(pl.col("_field").is_null())
+
+    good, dups = _split_duplicates(good)
+    quarantine = pl.concat(
+        [_quarantine_rows(bad), _quarantine_rows(dups), _failure_rows(imported.failures)],
+        how="vertical",
+    )
+    if strict and quarantine.height:
+        first = quarantine.row(0, named=True)
+        raise StrictValidationError(
+            f"{quarantine.height} bad row(s); first: {first['source_file']}:{first['source_row']} "
+            f"field {first['field']}: {first['reason']}"
+        )
+    return ValidationResult(turns=_finalise_turns(good), quarantine=quarantine)
+
+
+def _split_duplicates(good: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Keep the first occurrence of each turn id; later copies are quarantined, naming the first."""
+    good = good.sort("_pos")
+    first_pos_idx = pl.col("_pos").first().over(["user_id", "turn_index"])
+    first_pos_ref = pl.col("_pos").first().over(["user_id", "conversation_id", "source_ref"])
+    dup_idx = pl.col("turn_index").is_not_null() & (first_pos_idx != pl.col("_pos"))
+    dup_ref = pl.col("source_ref").is_not_null() & (first_pos_ref != pl.col("_pos"))
+    marked = good.with_columns(
+        _field=pl.when(dup_idx).then(pl.lit("turn_index")).when(dup_ref).then(pl.lit("source_ref")).otherwise(None),
+        _reason=pl.when(dup_idx)
+        .then(pl.lit("duplicate turn id: turn_index ") + pl.col("turn_index").cast(pl.String) + pl.lit(" already seen for this user"))
+        .when(dup_ref)
+        .then(pl.lit("duplicate turn id: source_ref '") + pl.col("source_ref") + pl.lit("' already seen in this conversation"))
+        .otherwise(None),
+    )
+    return marked.filter(pl.col("_field").is_null()), marked.filter(pl.col("_field").is_not_null())
+
+
+def _quarantine_rows(df: pl.DataFrame) -> pl.DataFrame:
+    if df.height == 0:
+        return pl.DataFrame(schema=QUARANTINE_POLARS_SCHEMA)
+    src_cols = [c for c in df.columns if not c.startswith("_") and c not in ("source_file", "source_row")]
+    raw_json = [json.dumps(r, ensure_ascii=False, default=str) for r in df.select(src_cols).iter_rows(named=True)]
+    return df.select(
+        user_id=pl.col("user_id"),
+        source_file=pl.col("source_file"),
+        source_row=pl.col("source_row"),
+        field=pl.col("_field"),
+        reason=pl.col("_reason"),
+        raw=pl.Series(raw_json, dtype=pl.String).str.slice(0, 4096),
+        code_version=pl.lit(CODE_VERSION),
+    ).cast(dict(QUARANTINE_POLARS_SCHEMA))
+
+
+def _failure_rows(failures: list[ParseFailure]) -> pl.DataFrame:
+    if not failures:
+        return pl.DataFrame(schema=QUARANTINE_POLARS_SCHEMA)
+    return pl.DataFrame(
+        {
+            "user_id": [f.user_id for f in failures],
+            "source_file": [f.source_file for f in failures],
+            "source_row": [f.source_row for f in failures],
+            "field": [f.field for f in failures],
+            "reason": [f.reason for f in failures],
+            "raw": [f.raw for f in failures],
+            "code_version": [CODE_VERSION] * len(failures),
+        },
+        schema=QUARANTINE_POLARS_SCHEMA,
+    )
+
+
+def _finalise_turns(good: pl.DataFrame) -> pl.DataFrame:
+    """Order each user's history (explicit turn_index first, then source order) and number it 0..N-1."""
+    ordered = good.sort(["user_id", "turn_index", "source_file", "source_row", "_pos"], nulls_last=True)
+    return ordered.select(
+        user_id=pl.col("user_id"),
+        conversation_id=pl.col("conversation_id"),
+        session_id=pl.coalesce(pl.col("session_id"), pl.col("conversation_id")),
+        turn_index=(pl.int_range(pl.len()).over("user_id")).cast(pl.Int64),
+        role=pl.col("role"),
+        speaker=pl.col("speaker"),
+        text=pl.col("text"),
+        timestamp=pl.col("_ts"),
+        source_ref=pl.col("source_ref"),
+        source_file=pl.col("source_file"),
+        code_version=pl.lit(CODE_VERSION),
+    ).cast(dict(TURN_POLARS_SCHEMA))
+
+
+def quarantine_user_key(user_id: str | None) -> str:
+    """Where a quarantined row is stored: under its user when the id is valid, else unattributed."""
+    from qumem_pipeline.ids import is_valid_user_id
+
+    return user_id if is_valid_user_id(user_id) else UNATTRIBUTED

@@ -1,0 +1,167 @@
+"""The DuckDB warehouse: one table per stage, refreshed per user, plus Parquet export.
+
+Stages register their table names in WAREHOUSE_TABLES; loading a set of users replaces
+exactly those users' rows in one transaction, so reruns converge and other users are
+untouched. Deleting a user rewrites the database file, because DuckDB does not zero the
+pages of deleted rows and a forgotten user's text must not survive on disk.
+"""
+
+import os
+from pathlib import Path
+
+import duckdb
+
+from qumem_pipeline.ids import USER_ID_PATTERN, validate_user_id
+from qumem_pipeline.storage import DataLayout
+
+# Per-user tables mirrored into the warehouse, in load order. Later stages add theirs here.
+WAREHOUSE_TABLES: list[str] = ["turns", "quarantine", "fingerprints"]
+
+
+def register_table(name: str) -> None:
+    if name not in WAREHOUSE_TABLES:
+        WAREHOUSE_TABLES.append(name)
+
+
+class Warehouse:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def connect(self, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return duckdb.connect(str(self.path), read_only=read_only)
+
+    def load_users(self, layout: DataLayout, user_ids: list[str], tables: list[str] | None = None) -> dict[str, int]:
+        """Replace the given users' rows in every table from their Parquet partitions."""
+        for u in user_ids:
+            validate_user_id(u)
+        loaded: dict[str, int] = {}
+        with self.connect() as con:
+            for table in tables or WAREHOUSE_TABLES:
+                files = [str(p) for p in layout.table_files(table, user_ids)]
+                exists = self._has_table(con, table)
+                if not files and not exists:
+                    continue
+                con.execute("BEGIN TRANSACTION")
+                try:
+                    if not exists:
+                        con.execute(
+                            f'CREATE TABLE "{table}" AS SELECT * FROM read_parquet(?, union_by_name=true) LIMIT 0',
+                            [files],
+                        )
+                    con.execute(f'DELETE FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids])
+                    if files:
+                        self._add_missing_columns(con, table, files)
+                        con.execute(
+                            f'INSERT INTO "{table}" BY NAME SELECT * FROM read_parquet(?, union_by_name=true)',
+                            [files],
+                        )
+                    con.execute("COMMIT")
+                except BaseException:
+                    con.execute("ROLLBACK")
+                    raise
+                loaded[table] = con.execute(
+                    f'SELECT count(*) FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids]
+                ).fetchone()[0]
+        return loaded
+
+    def load_unattributed(self, layout: DataLayout, key: str) -> int:
+        """Mirror quarantined rows that have no valid user id (their own partition) into `quarantine`."""
+        path = layout.user_file("quarantine", key)
+        if not path.exists():
+            return 0
+        with self.connect() as con:
+            if not self._has_table(con, "quarantine"):
+                con.execute("CREATE TABLE quarantine AS SELECT * FROM read_parquet(?) LIMIT 0", [str(path)])
+            con.execute("BEGIN TRANSACTION")
+            try:
+                con.execute(
+                    "DELETE FROM quarantine WHERE user_id IS NULL OR NOT regexp_full_match(user_id, ?) OR contains(user_id, '..')",
+                    [USER_ID_PATTERN.pattern],
+                )
+                con.execute("INSERT INTO quarantine BY NAME SELECT * FROM read_parquet(?)", [str(path)])
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            return con.execute("SELECT count(*) FROM read_parquet(?)", [str(path)]).fetchone()[0]
+
+    @staticmethod
+    def _has_table(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+        return bool(
+            con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = ? AND table_schema = 'main'",
+                [table],
+            ).fetchone()[0]
+        )
+
+    @staticmethod
+    def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str]) -> None:
+        """A stage that gains a column must not break loading into an older warehouse."""
+        have = {r[0] for r in con.execute(f'DESCRIBE "{table}"').fetchall()}
+        incoming = con.execute("DESCRIBE SELECT * FROM read_parquet(?, union_by_name=true)", [files]).fetchall()
+        for name, dtype, *_ in incoming:
+            if name not in have:
+                con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {dtype}')
+
+    def counts(self) -> dict[str, int]:
+        if not self.path.exists():
+            return {}
+        with self.connect(read_only=True) as con:
+            names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema='main' ORDER BY 1").fetchall()]
+            return {n: con.execute(f'SELECT count(*) FROM "{n}"').fetchone()[0] for n in names}
+
+    def users(self, table: str = "turns") -> list[str]:
+        if not self.path.exists():
+            return []
+        with self.connect(read_only=True) as con:
+            if not self._has_table(con, table):
+                return []
+            return [r[0] for r in con.execute(f'SELECT DISTINCT user_id FROM "{table}" ORDER BY 1').fetchall()]
+
+    def delete_user(self, user_id: str) -> dict[str, int]:
+        """Delete the user everywhere, then rewrite the file so no freed page keeps their text."""
+        validate_user_id(user_id)
+        if not self.path.exists():
+            return {}
+        deleted: dict[str, int] = {}
+        with self.connect() as con:
+            names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema='main'").fetchall()]
+            for n in names:
+                cols = {r[0] for r in con.execute(f'DESCRIBE "{n}"').fetchall()}
+                if "user_id" in cols:
+                    deleted[n] = con.execute(f'DELETE FROM "{n}" WHERE user_id = ?', [user_id]).fetchone()[0]
+        self.compact()
+        return deleted
+
+    def compact(self) -> None:
+        """Copy every table into a fresh database file and atomically swap it in."""
+        tmp = self.path.with_name(f".tmp-{self.path.name}")
+        tmp.unlink(missing_ok=True)
+        with self.connect() as con:
+            con.execute(f"ATTACH '{_sql_path(tmp)}' AS fresh")
+            names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() AND table_schema='main'").fetchall()]
+            for n in names:
+                con.execute(f'CREATE TABLE fresh."{n}" AS SELECT * FROM main."{n}"')
+            con.execute("DETACH fresh")
+        os.replace(tmp, self.path)
+        Path(str(self.path) + ".wal").unlink(missing_ok=True)
+
+    def export_parquet(self, out_dir: str | os.PathLike) -> dict[str, str]:
+        """COPY every table to `<out_dir>/<table>.parquet` for other warehouses."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = {}
+        with self.connect(read_only=True) as con:
+            names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema='main' ORDER BY 1").fetchall()]
+            for n in names:
+                target = out / f"{n}.parquet"
+                tmp = out / f".tmp-{n}.parquet"
+                con.execute(f"COPY (SELECT * FROM \"{n}\" ORDER BY ALL) TO '{_sql_path(tmp)}' (FORMAT parquet, COMPRESSION zstd)")
+                os.replace(tmp, target)
+                written[n] = str(target)
+        return written
+
+
+def _sql_path(p: Path) -> str:
+    return str(p).replace("'", "''")

@@ -1,0 +1,87 @@
+"""Dagster resources, chosen per environment in one place so asset code never branches on where it runs.
+
+local      - embedded models, Parquet under ./data, DuckDB file beside it (the default).
+production - the same contract pointed at production paths and a vLLM endpoint; every
+             value comes from the environment so nothing secret lives in code.
+"""
+
+import os
+from pathlib import Path
+
+import dagster as dg
+
+from qumem_pipeline.forget import ForgetRegistry
+from qumem_pipeline.ingest import ArchiveConfig
+from qumem_pipeline.storage import DataLayout
+from qumem_pipeline.validate import DEFAULT_MAX_TEXT_CHARS
+from qumem_pipeline.warehouse import Warehouse
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_ARCHIVE = REPO_ROOT / "examples" / "archive"
+
+
+class PipelineConfig(dg.ConfigurableResource):
+    """Where the archive is read from and where every per-user table and the warehouse live."""
+
+    data_root: str
+    archive_path: str
+    archive_format: str = ""  # "" = detect (jsonl, parquet, locomo, chatgpt)
+    warehouse_path: str = ""  # "" = <data_root>/warehouse.duckdb
+    strict: bool = False
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
+
+    def layout(self) -> DataLayout:
+        return DataLayout(self.data_root)
+
+    def warehouse(self) -> Warehouse:
+        return Warehouse(self.warehouse_path or os.path.join(self.data_root, "warehouse.duckdb"))
+
+    def archive(self) -> ArchiveConfig:
+        return ArchiveConfig(
+            path=self.archive_path,
+            format=self.archive_format or None,
+            max_text_chars=self.max_text_chars,
+            strict=self.strict,
+        )
+
+    def forgotten(self) -> ForgetRegistry:
+        return ForgetRegistry(self.data_root)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def local_resources() -> dict:
+    data_root = _env("QUMEM_DATA_ROOT", str(Path.cwd() / "data"))
+    return {
+        "pipeline": PipelineConfig(
+            data_root=data_root,
+            archive_path=_env("QUMEM_ARCHIVE", str(EXAMPLE_ARCHIVE)),
+            archive_format=_env("QUMEM_ARCHIVE_FORMAT", ""),
+            warehouse_path=_env("QUMEM_WAREHOUSE", ""),
+            strict=_env("QUMEM_STRICT", "0") == "1",
+        ),
+    }
+
+
+def production_resources() -> dict:
+    return {
+        "pipeline": PipelineConfig(
+            data_root=dg.EnvVar("QUMEM_DATA_ROOT"),
+            archive_path=dg.EnvVar("QUMEM_ARCHIVE"),
+            archive_format=_env("QUMEM_ARCHIVE_FORMAT", ""),
+            warehouse_path=_env("QUMEM_WAREHOUSE", ""),
+            strict=True,
+        ),
+    }
+
+
+RESOURCES_BY_ENV = {"local": local_resources, "production": production_resources}
+
+
+def resources_for(env: str | None = None) -> dict:
+    env = env or os.environ.get("QUMEM_ENV", "local")
+    if env not in RESOURCES_BY_ENV:
+        raise ValueError(f"QUMEM_ENV={env!r}: expected one of {sorted(RESOURCES_BY_ENV)}")
+    return RESOURCES_BY_ENV[env]()

@@ -1,0 +1,71 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """Rows may be dicts (serialised) or raw bytes (written as-is, for broken lines)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for r in rows:
+            f.write(r if isinstance(r, bytes) else json.dumps(r).encode("utf-8"))
+            f.write(b"\n")
+    return path
+
+
+def conversation(user: str, conv: str, texts: list[str], start: str = "2024-03-01T10:00:00Z", **extra) -> list[dict]:
+    """Alternating user/assistant turns with increasing source refs."""
+    rows = []
+    for i, t in enumerate(texts):
+        rows.append(
+            {
+                "user_id": user,
+                "conversation_id": conv,
+                "session_id": conv,
+                "role": "user" if i % 2 == 0 else "assistant",
+                "speaker": user if i % 2 == 0 else "assistant",
+                "text": t,
+                "timestamp": start,
+                "source_ref": f"{conv}-{i}",
+                **extra,
+            }
+        )
+    return rows
+
+
+@pytest.fixture
+def small_archive(tmp_path: Path) -> Path:
+    """Three users, a few turns each, in two files."""
+    d = tmp_path / "archive"
+    write_jsonl(
+        d / "a.jsonl",
+        conversation("alice", "c1", ["I'm planning a trip to Lisbon.", "Great choice!", "I prefer window seats.", "Noted."])
+        + conversation("bob", "c2", ["My dog is sick.", "Sorry to hear.", "The vet says rest.", "Good."]),
+    )
+    write_jsonl(
+        d / "b.jsonl",
+        conversation("chen", "c3", ["I started learning piano.", "Nice!", "Scales are hard.", "Keep going."], start="2024-04-01T09:00:00Z"),
+    )
+    return d
+
+
+@pytest.fixture
+def dagster_env(tmp_path: Path, monkeypatch):
+    """Point the resources at a temporary data root; returns (data_root, set_archive)."""
+    data_root = tmp_path / "data"
+    monkeypatch.setenv("QUMEM_DATA_ROOT", str(data_root))
+    monkeypatch.delenv("QUMEM_WAREHOUSE", raising=False)
+    monkeypatch.delenv("QUMEM_ARCHIVE_FORMAT", raising=False)
+
+    def set_archive(path: Path) -> None:
+        monkeypatch.setenv("QUMEM_ARCHIVE", str(path))
+
+    return data_root, set_archive
