@@ -44,7 +44,7 @@ def test_failed_write_leaves_old_file(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(pl.DataFrame, "write_parquet", boom)
+    monkeypatch.setattr("qumem_pipeline.storage.pq.write_table", boom)
     with pytest.raises(OSError):
         layout.write_user_table("turns", "alice", pl.DataFrame({"user_id": ["alice"], "x": [9]}))
     monkeypatch.undo()

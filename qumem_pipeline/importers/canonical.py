@@ -9,6 +9,7 @@ import glob
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import polars as pl
@@ -78,7 +79,14 @@ def import_jsonl_file(path: Path) -> ImportResult:
         return _import_jsonl_lines(path, data)
 
 
+_BLANK_LINE = re.compile(rb"(?:^|\n)[ \t\r]*(?:\n|$)")
+
+
 def _nonblank_line_numbers(data: bytes) -> list[int]:
+    """1-based line numbers of the non-blank lines (what read_ndjson returns rows for)."""
+    n_lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+    if not _BLANK_LINE.search(data.rstrip(b"\n") if data.endswith(b"\n") else data):
+        return list(range(1, n_lines + 1))
     return [i + 1 for i, line in enumerate(data.split(b"\n")) if line.strip()]
 
 

@@ -1,0 +1,109 @@
+"""Ingest throughput: import + validate + per-user atomic Parquet writes, against a plain
+polars read + write of the same generated archive in the same run (the ratio is the figure).
+
+    python bench/ingest.py [--turns 1000000] [--users 1000] [--json]
+"""
+
+import argparse
+import json
+import random
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qumem_pipeline.importers.canonical import import_canonical  # noqa: E402
+from qumem_pipeline.ingest import write_users  # noqa: E402
+from qumem_pipeline.storage import DataLayout  # noqa: E402
+from qumem_pipeline.validate import validate  # noqa: E402
+
+WORDS = ("trip plan dinner vegan window seat swim run knee doctor budget book piano lesson "
+         "weekend flight hotel recipe garden dog cat meeting deadline report coffee tea").split()
+
+
+def generate(path: Path, n_turns: int, n_users: int, seed: int = 0) -> None:
+    """A canonical JSONL archive: users with alternating user/assistant turns and ISO timestamps."""
+    rng = random.Random(seed)
+    per_user = n_turns // n_users
+    with open(path, "w", encoding="utf-8") as f:
+        for u in range(n_users):
+            uid = f"user-{u:06d}"
+            base = 1_700_000_000 + u * 60
+            for t in range(per_user):
+                conv = t // 40
+                text = " ".join(rng.choices(WORDS, k=rng.randint(6, 30)))
+                ts = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(base + t * 37))
+                f.write(json.dumps({
+                    "user_id": uid, "conversation_id": f"{uid}-c{conv}", "session_id": f"{uid}-c{conv}",
+                    "role": "user" if t % 2 == 0 else "assistant", "speaker": uid if t % 2 == 0 else "assistant",
+                    "text": text, "timestamp": ts, "source_ref": f"m{t}",
+                }) + "\n")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--turns", type=int, default=1_000_000)
+    ap.add_argument("--users", type=int, default=1_000)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="qumem-bench-ingest-"))
+    try:
+        archive = work / "archive.jsonl"
+        t = time.perf_counter()
+        generate(archive, args.turns, args.users)
+        gen_s = time.perf_counter() - t
+        size_mb = archive.stat().st_size / 1e6
+
+        # Baseline: plain polars read + write of the same data (no validation, one file).
+        t = time.perf_counter()
+        df = pl.read_ndjson(archive)
+        df.write_parquet(work / "baseline.parquet", compression="zstd")
+        base_s = time.perf_counter() - t
+        n = df.height
+        del df
+
+        # Pipeline: import (fast path) + validate + per-user atomic writes + fingerprints.
+        t = time.perf_counter()
+        res = validate(import_canonical(archive))
+        users = sorted(res.turns["user_id"].unique().to_list())
+        write_users(DataLayout(work / "data"), res, users)
+        ours_s = time.perf_counter() - t
+        assert res.turns.height == n and res.quarantine.height == 0, "generated data must be all valid"
+
+        out = {
+            "turns": n,
+            "users": len(users),
+            "archive_mb": round(size_mb, 1),
+            "generate_s": round(gen_s, 2),
+            "baseline_s": round(base_s, 3),
+            "pipeline_s": round(ours_s, 3),
+            "baseline_turns_per_s": round(n / base_s),
+            "turns_per_s": round(n / ours_s),
+            "ratio": round(base_s / ours_s, 3),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+        }
+        print(f"{'stage':<44}{'seconds':>10}{'turns/s':>14}")
+        print(f"{'baseline: polars read_ndjson + write_parquet':<44}{base_s:>10.2f}{n / base_s:>14,.0f}")
+        print(f"{'qumem: import + validate + per-user writes':<44}{ours_s:>10.2f}{n / ours_s:>14,.0f}")
+        print(f"ratio (qumem / baseline throughput): {out['ratio']:.2f}  (target >= 0.5)")
+        print(f"{n:,} turns, {len(users):,} users, {size_mb:.0f} MB JSONL; peak RSS {out['peak_rss_mb']:.0f} MB")
+        if args.json:
+            print(json.dumps(out))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
