@@ -1,0 +1,104 @@
+"""Episode construction on hand-made decision sequences (no model needed)."""
+
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import polars as pl
+import pytest
+
+from qumem_pipeline.episodes import (
+    build_episodes_for_users,
+    build_units,
+    build_user_episodes,
+    enforce_budget,
+    episode_id,
+    segment,
+)
+
+T0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
+
+
+def history(roles, user="alice", text="word " * 8):
+    n = len(roles)
+    return pl.DataFrame(
+        {
+            "user_id": [user] * n,
+            "turn_index": list(range(n)),
+            "role": roles,
+            "text": [f"{text}{i}" for i in range(n)],
+            "timestamp": [T0 + timedelta(minutes=i) for i in range(n)],
+        },
+        schema_overrides={"timestamp": pl.Datetime("us", "UTC")},
+    )
+
+
+def eps(roles, p, threshold=0.5, budget=10_000, **kw):
+    return build_user_episodes(history(roles, **kw), np.array(p, dtype=np.float32), threshold=threshold,
+                               classifier_version="test-v1", token_budget=budget)
+
+
+def test_units_keep_replies_and_leading_context():
+    units = build_units(["assistant", "user", "assistant", "user", "other", "other"], list(range(6)), [1] * 6)
+    assert [u.turn_ids for u in units] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_first_utterance_only():
+    df = eps(["user", "assistant"], [])
+    assert df.height == 1 and df["turn_ids"].to_list() == [[0, 1]]
+    assert df["boundary_prob"][0] is None and df["min_continuity"][0] is None
+
+
+def test_all_continue_is_one_episode_with_all_turns():
+    df = eps(["user", "assistant"] * 4, [0.9, 0.8, 0.95])
+    assert df.height == 1
+    assert df["turn_ids"][0].to_list() == list(range(8))
+    assert df["n_user_turns"][0] == 4 and df["min_continuity"][0] == pytest.approx(0.8)
+    assert df["start_ts"][0] == T0 and df["end_ts"][0] == T0 + timedelta(minutes=7)
+
+
+def test_all_break_gives_one_episode_per_user_utterance():
+    df = eps(["user", "assistant"] * 3, [0.1, 0.2])
+    assert df["turn_ids"].to_list() == [[0, 1], [2, 3], [4, 5]]
+    assert df["boundary_prob"].to_list()[1:] == pytest.approx([0.9, 0.8])
+    assert df["episode_index"].to_list() == [0, 1, 2]
+
+
+def test_mixed_decisions():
+    assert segment([0.9, 0.1, 0.9, 0.4], 0.5) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_forced_split_at_weakest_link_is_counted():
+    # 4 units of ~equal size; all continue, but the budget fits only 2 units.
+    tokens = [10, 10, 10, 10]
+    spans, forced, oversize = enforce_budget([(0, 4)], [0.9, 0.6, 0.8], tokens, budget=20)
+    assert spans == [(0, 2), (2, 4)] and forced == {2} and oversize == 0
+    df = eps(["user", "assistant"] * 4, [0.9, 0.6, 0.8], budget=30)  # each unit ~ 2 x 3 tokens
+    assert df["forced_split"].to_list() == [False] + [True] * (df.height - 1)
+    # nothing lost: every turn in exactly one episode
+    assert sorted(t for ids in df["turn_ids"].to_list() for t in ids) == list(range(8))
+
+
+def test_oversize_single_unit_kept_whole():
+    spans, forced, oversize = enforce_budget([(0, 2)], [0.9], [50, 5], budget=20)
+    assert spans == [(0, 1), (1, 2)] and oversize == 1
+
+
+def test_wrong_number_of_decisions_is_an_error():
+    with pytest.raises(ValueError, match="2 decisions for 2 user utterances"):
+        eps(["user", "user"], [0.5, 0.5])
+
+
+def test_batch_across_users_and_stable_ids():
+    calls = []
+
+    def predict(pairs):
+        calls.append(len(pairs))
+        return np.array([0.9 if i % 2 == 0 else 0.1 for i in range(len(pairs))], dtype=np.float32)
+
+    turns = {"alice": history(["user", "assistant"] * 3), "bob": history(["user"] * 4, user="bob")}
+    out, stats = build_episodes_for_users(turns, predict, threshold=0.5, classifier_version="v")
+    assert calls == [2 + 3], "one batched classifier call for all users' pairs"
+    assert stats.users == 2 and stats.decisions == 5 and stats.user_utterances == 7
+    out2, _ = build_episodes_for_users(turns, predict, threshold=0.5, classifier_version="v")
+    assert out["alice"]["episode_id"].to_list() == out2["alice"]["episode_id"].to_list()
+    assert out["alice"]["episode_id"][0] == episode_id("alice", 0, 3)
