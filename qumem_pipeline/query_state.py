@@ -250,7 +250,7 @@ def validate_plan(raw: dict | None, query: str) -> tuple[list[tuple[str, list[st
         text = it.get("query") if isinstance(it.get("query"), str) else ""
         stores_raw = it.get("stores") if isinstance(it.get("stores"), list) else []
         stores = [s for s in dict.fromkeys(stores_raw) if s in MEMORY_TYPES]
-        if len(stores) != len(stores_raw):
+        if any(x not in MEMORY_TYPES for x in stores_raw):
             problems.append("unknown store dropped")
         if not stores:
             problems.append("empty store set -> all stores")
