@@ -3,13 +3,15 @@
 import dagster as dg
 
 from assets.forget import forget_user_job
+from assets.episodes import episodes
 from assets.ingest import turns
+from assets.memories import memories
 from assets.partitions import users_partitions
 from assets.sensors import MAIN_JOB_NAME, user_discovery_sensor
 from assets.warehouse import warehouse
 from resources import resources_for
 
-ALL_ASSETS = [turns, warehouse]
+ALL_ASSETS = [turns, episodes, memories, warehouse]
 
 main_job = dg.define_asset_job(
     MAIN_JOB_NAME,

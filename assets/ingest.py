@@ -4,7 +4,9 @@ import dagster as dg
 
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
+from qumem_pipeline import checks
 from qumem_pipeline.ingest import load_archive, write_unattributed_quarantine, write_users
+from qumem_pipeline.validate import TURN_POLARS_SCHEMA
 from qumem_pipeline.versions import TURN_SCHEMA_VERSION
 from resources import PipelineConfig
 
@@ -16,6 +18,10 @@ from resources import PipelineConfig
     group_name="ingest",
     kinds={"parquet", "polars"},
     description="Canonical, validated turn table per user (+ quarantine and content fingerprint).",
+    check_specs=[
+        dg.AssetCheckSpec("schema_conforms", asset="turns", blocking=True),
+        dg.AssetCheckSpec("quarantine_under_ceiling", asset="turns", blocking=True),
+    ],
 )
 def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
     users = run_user_ids(context)
@@ -32,7 +38,15 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
         f"{len(users)} users: {run_turns} turns, {run_q} quarantined for these users, "
         f"{unattributed} unattributed bad rows; archive-wide quarantine by field: {counts['quarantined_by_field']}"
     )
+    schema_ok = checks.schema_conforms(result.turns, dict(TURN_POLARS_SCHEMA), "turns")
+    ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
     return dg.MaterializeResult(
+        check_results=[
+            dg.AssetCheckResult(check_name="schema_conforms", passed=schema_ok.passed,
+                                description=schema_ok.description, metadata=schema_ok.metadata),
+            dg.AssetCheckResult(check_name="quarantine_under_ceiling", passed=ceiling.passed,
+                                description=ceiling.description, metadata=ceiling.metadata),
+        ],
         metadata={
             "users": len(users),
             "dagster/row_count": run_turns,

@@ -15,7 +15,9 @@ from qumem_pipeline.ids import USER_ID_PATTERN, validate_user_id
 from qumem_pipeline.storage import DataLayout
 
 # Per-user tables mirrored into the warehouse, in load order. Later stages add theirs here.
-WAREHOUSE_TABLES: list[str] = ["turns", "quarantine", "fingerprints"]
+WAREHOUSE_TABLES: list[str] = [
+    "turns", "quarantine", "fingerprints", "episodes", "memories", "memory_quarantine", "llm_ledger",
+]
 
 
 def register_table(name: str) -> None:

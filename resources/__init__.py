@@ -29,6 +29,7 @@ class PipelineConfig(dg.ConfigurableResource):
     warehouse_path: str = ""  # "" = <data_root>/warehouse.duckdb
     strict: bool = False
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
+    max_quarantine_fraction: float = 0.2  # blocking check: more bad rows than this stops the run
 
     def layout(self) -> DataLayout:
         return DataLayout(self.data_root)
@@ -52,9 +53,29 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def _models(llm_kind: str) -> dict:
+    from resources.models import ContinuityClassifierResource, LLMResource
+
+    return {
+        "llm": LLMResource(
+            kind=_env("QUMEM_LLM_KIND", llm_kind),
+            model=_env("QUMEM_LLM_MODEL", ""),
+            base_url=_env("QUMEM_LLM_BASE_URL", ""),
+            max_concurrency=int(_env("QUMEM_LLM_CONCURRENCY", "64")),
+            vllm_python=_env("QUMEM_VLLM_PYTHON", ""),
+        ),
+        "continuity": ContinuityClassifierResource(
+            artifact_dir=_env("QUMEM_CLASSIFIER_DIR", ""),
+            device=_env("QUMEM_DEVICE", ""),
+            token_budget=int(_env("QUMEM_EPISODE_TOKEN_BUDGET", "1536")),
+        ),
+    }
+
+
 def local_resources() -> dict:
     data_root = _env("QUMEM_DATA_ROOT", str(Path.cwd() / "data"))
     return {
+        **_models("local"),
         "pipeline": PipelineConfig(
             data_root=data_root,
             archive_path=_env("QUMEM_ARCHIVE", str(EXAMPLE_ARCHIVE)),
@@ -67,6 +88,7 @@ def local_resources() -> dict:
 
 def production_resources() -> dict:
     return {
+        **_models("openai"),  # QUMEM_LLM_BASE_URL: a vLLM server (or a pool behind one URL)
         "pipeline": PipelineConfig(
             data_root=dg.EnvVar("QUMEM_DATA_ROOT"),
             archive_path=dg.EnvVar("QUMEM_ARCHIVE"),

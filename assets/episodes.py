@@ -1,0 +1,81 @@
+import time
+
+import dagster as dg
+import polars as pl
+
+from assets.ingest import turns
+from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.progress import ProgressLogger
+from qumem_pipeline import checks
+from qumem_pipeline.episodes import EPISODE_SCHEMA, build_episodes_for_users
+from resources import PipelineConfig
+from resources.models import ContinuityClassifierResource
+
+EPISODES_CODE_VERSION = "episodes-v1"
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[turns],
+    pool="gpu",
+    code_version=EPISODES_CODE_VERSION,
+    group_name="episodes",
+    kinds={"pytorch", "parquet"},
+    description="Variable-length episodes from the continuity classifier over adjacent user utterances.",
+    check_specs=[
+        dg.AssetCheckSpec("every_turn_in_one_nonempty_episode", asset="episodes", blocking=True),
+        dg.AssetCheckSpec("schema_conforms", asset="episodes", blocking=True),
+    ],
+)
+def episodes(
+    context: dg.AssetExecutionContext, pipeline: PipelineConfig, continuity: ContinuityClassifierResource
+) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    turns_by_user = {}
+    for u in users:
+        df = layout.read_user_table("turns", u)
+        if df is None:
+            raise dg.Failure(f"no turns for user {u}: materialize `turns` first")
+        turns_by_user[u] = df
+    model = continuity.model
+    progress = ProgressLogger(context.log, "continuity pairs classified")
+    t1 = time.perf_counter()
+    by_user, stats = build_episodes_for_users(
+        turns_by_user,
+        lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size, progress=progress),
+        threshold=model.threshold,
+        classifier_version=model.version,
+        token_budget=continuity.token_budget,
+    )
+    classify_s = time.perf_counter() - t1
+    for u, df in by_user.items():
+        layout.write_user_table("episodes", u, df)
+    sizes = [n for df in by_user.values() for n in df["n_turns"].to_list()]
+    coverage = checks.episodes_cover_turns(turns_by_user, by_user)
+    schema_ok = checks.schema_conforms(
+        next(iter(by_user.values())) if by_user else pl.DataFrame(schema=EPISODE_SCHEMA), EPISODE_SCHEMA, "episodes"
+    )
+    return dg.MaterializeResult(
+        check_results=[
+            dg.AssetCheckResult(check_name="every_turn_in_one_nonempty_episode", passed=coverage.passed,
+                                description=coverage.description, metadata=coverage.metadata),
+            dg.AssetCheckResult(check_name="schema_conforms", passed=schema_ok.passed,
+                                description=schema_ok.description, metadata=schema_ok.metadata),
+        ],
+        metadata={
+            "users": stats.users,
+            "dagster/row_count": stats.episodes,
+            "user_utterances": stats.user_utterances,
+            "classifier_decisions": stats.decisions,
+            "forced_splits": stats.forced_splits,
+            "oversize_single_units": stats.oversize_single_units,
+            "mean_turns_per_episode": round(sum(sizes) / len(sizes), 2) if sizes else 0.0,
+            "pairs_per_s": round(stats.decisions / classify_s, 1) if classify_s > 0 else 0.0,
+            "classifier_version": model.version,
+            "device": str(model.device),
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
+    )

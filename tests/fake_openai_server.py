@@ -1,0 +1,211 @@
+"""A real local HTTP server shaped like the OpenAI chat-completions API, serving scripted replies.
+
+    python tests/fake_openai_server.py --port 0 --script script.json [--log requests.jsonl]
+
+Prints `PORT <n>` on its first stdout line once listening. The script is JSON:
+
+    {"model": "fake-model",
+     "rules": [{"match": "substring of the request's messages", "responses": [R, R, ...]}],
+     "default": [R, ...]}
+
+Each request is matched to the first rule whose `match` occurs in its messages' text; that rule's
+responses are served in order, one per request it matches (the last one repeats). A response R:
+
+    {"status": 500}                       -> HTTP 500 with an error body
+    {"status": 429, "retry_after": 1}     -> HTTP 429 with a Retry-After header
+    {"hang": 5}                           -> sleep 5 s before answering (a client timeout)
+    {"drop": true}                        -> close the connection without an answer
+    {"garbage": "not json at all"}        -> HTTP 200 whose body is not JSON
+    {"content": "raw assistant text"}     -> a normal completion carrying this text
+    {"json": {...}}                       -> a normal completion carrying json.dumps(value)
+    optional on normal ones: "cached_tokens": n, "finish_reason": "length"
+
+Every request received is appended to --log as a JSON line (path, body), for assertions.
+GET /v1/models lists the model; GET /health answers 200.
+"""
+
+import argparse
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class State:
+    def __init__(self, script: dict, log_path: str | None) -> None:
+        self.model = script.get("model", "fake-model")
+        self.rules = script.get("rules", [])
+        self.default = script.get("default") or [{"json": {"memories": []}}]
+        self.counters: dict[int, int] = {}
+        self.lock = threading.Lock()
+        self.log_path = log_path
+
+    def pick(self, text: str) -> dict:
+        with self.lock:
+            for i, rule in enumerate(self.rules):
+                if rule["match"] in text:
+                    n = self.counters.get(i, 0)
+                    self.counters[i] = n + 1
+                    seq = rule["responses"]
+                    return seq[min(n, len(seq) - 1)]
+            n = self.counters.get(-1, 0)
+            self.counters[-1] = n + 1
+            return self.default[min(n, len(self.default) - 1)]
+
+    def log(self, entry: dict) -> None:
+        if self.log_path:
+            with self.lock, open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+
+
+def make_handler(state: State):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # keep stderr quiet
+            pass
+
+        def _send(self, status: int, body: bytes, headers: dict | None = None) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") in ("/health", "/v1/health"):
+                self._send(200, b"{}")
+            elif self.path.rstrip("/") == "/v1/models":
+                self._send(200, json.dumps({"object": "list", "data": [{"id": state.model, "object": "model"}]}).encode())
+            else:
+                self._send(404, b'{"error": "not found"}')
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                self._send(400, b'{"error": {"message": "bad json"}}')
+                return
+            text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+            resp = state.pick(text)
+            state.log({"path": self.path, "body": body, "response": resp, "t": time.time()})
+            if "hang" in resp:
+                time.sleep(float(resp["hang"]))
+            if resp.get("drop"):
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(2)
+                except OSError:
+                    pass
+                return
+            if "status" in resp and resp["status"] != 200:
+                headers = {}
+                if "retry_after" in resp:
+                    headers["Retry-After"] = str(resp["retry_after"])
+                msg = {"error": {"message": f"scripted {resp['status']}", "type": "server_error"}}
+                self._send(int(resp["status"]), json.dumps(msg).encode(), headers)
+                return
+            if "garbage" in resp:
+                self._send(200, str(resp["garbage"]).encode())
+                return
+            content = resp["content"] if "content" in resp else json.dumps(resp.get("json", {}))
+            prompt_tokens = max(1, len(text) // 4)
+            completion_tokens = max(1, len(content) // 4)
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+            if "cached_tokens" in resp:
+                usage["prompt_tokens_details"] = {"cached_tokens": int(resp["cached_tokens"])}
+            payload = {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model", state.model),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": resp.get("finish_reason", "stop"),
+                    }
+                ],
+                "usage": usage,
+            }
+            self._send(200, json.dumps(payload).encode())
+
+    return Handler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--script", required=True)
+    ap.add_argument("--log", default=None)
+    args = ap.parse_args()
+    with open(args.script, encoding="utf-8") as f:
+        script = json.load(f)
+    state = State(script, args.log)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
+    server.daemon_threads = True
+    print(f"PORT {server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# -- helper for tests: start the server as a real child process --------------------------------
+class RunningFakeServer:
+    def __init__(self, script: dict, workdir, python: str | None = None) -> None:
+        import subprocess
+        from pathlib import Path
+
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.script_path = workdir / "script.json"
+        self.script_path.write_text(json.dumps(script), encoding="utf-8")
+        self.log_path = workdir / "requests.jsonl"
+        self.proc = subprocess.Popen(
+            [python or sys.executable, __file__, "--port", "0", "--script", str(self.script_path), "--log", str(self.log_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("PORT "):
+            self.stop()
+            raise RuntimeError(f"fake server did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def requests(self) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        return [json.loads(x) for x in self.log_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,85 @@
+"""The embedded default backend with the real small model (slow: loads ~135M params on CPU)."""
+
+import os
+from datetime import datetime, timezone
+
+import jsonschema
+import polars as pl
+import pytest
+
+from qumem_pipeline.decompose import MEMORY_SCHEMA, decompose_episodes, memory_schema
+from qumem_pipeline.llm import ChatRequest, make_backend
+from qumem_pipeline.llm.model_store import DEFAULT_MODEL, cache_dir, sha256_file
+
+pytestmark = pytest.mark.slow
+
+EPISODE = {
+    "user_id": "alice",
+    "episode_id": "alice-e0",
+    "turns": [
+        {"turn_index": 4, "role": "user", "speaker": "Alice", "text": "I just joined a swimming club near my office.",
+         "timestamp": datetime(2024, 1, 1, 9, 0, tzinfo=timezone.utc)},
+        {"turn_index": 5, "role": "assistant", "speaker": None, "text": "Nice! What made you pick it?",
+         "timestamp": datetime(2024, 1, 1, 9, 1, tzinfo=timezone.utc)},
+        {"turn_index": 6, "role": "user", "speaker": "Alice",
+         "text": "The coaches are supportive and nobody pushes you to compete. I avoid stressful gyms.",
+         "timestamp": datetime(2024, 1, 1, 9, 2, tzinfo=timezone.utc)},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def local():
+    with make_backend("local") as be:
+        yield be
+
+
+def test_weights_are_pinned(local):
+    marker = cache_dir() / "models" / DEFAULT_MODEL.name / "qumem_source.json"
+    assert marker.exists() and DEFAULT_MODEL.gguf_sha256 in marker.read_text()
+    assert local.model_name == DEFAULT_MODEL.name and local.backend_name == "local"
+
+
+def test_local_decomposes_episode_into_schema_valid_rows(local):
+    created = datetime(2024, 6, 1, tzinfo=timezone.utc)
+    out = decompose_episodes([EPISODE], local, created_at=created, max_tokens=160)
+    assert out.ledger.height >= 3 and set(out.ledger["type"]) == {"fact", "preference", "insight"}
+    assert out.memories.schema == MEMORY_SCHEMA
+    # constrained decoding: nothing is invalid JSON or off-schema (only a max_tokens cut could be)
+    assert all(r.startswith("length") for r in out.quarantine["reason"].to_list())
+    ids = {4, 5, 6}
+    for row in out.memories.iter_rows(named=True):
+        assert row["content"] and set(row["evidence_turn_ids"]) <= ids
+        assert row["position"] == max(row["evidence_turn_ids"])
+        assert row["valid_from"] == datetime(2024, 1, 1, 9, row["position"] - 4, tzinfo=timezone.utc)
+        assert row["model"] == DEFAULT_MODEL.name
+    assert out.memories.height >= 1
+    led = out.ledger
+    assert (led["prompt_tokens"] > 0).all() and (led["completion_tokens"] > 0).all()
+    assert (led["shared_prefix_tokens"] > 0).all() and (led["shared_prefix_tokens"] < led["prompt_tokens"]).all()
+    assert out.summary["computed_prefill_tokens"] < out.summary["prompt_tokens"]
+    # a rerun gives the same rows (greedy decoding, stable ids)
+    again = decompose_episodes([EPISODE], local, created_at=created, max_tokens=160)
+    assert again.memories.equals(out.memories)
+
+
+def test_batched_and_one_at_a_time_always_parse(local):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}, "n": {"type": "integer", "minimum": 0, "maximum": 100}},
+              "required": ["city", "n"], "additionalProperties": False}
+    reqs = [
+        ChatRequest(f"q{i}", [{"role": "user", "content": q}], json_schema=schema, max_tokens=40)
+        for i, q in enumerate(["Capital of France and a number?", "Where is Rome? Any number.", "hi"])
+    ]
+    batched = local.generate(reqs)
+    single = [local.generate([r])[0] for r in reqs]
+    for b in batched:
+        assert b.ok, b.error
+        jsonschema.validate(b.parsed, schema)
+    assert [r.request_id for r in batched] == ["q0", "q1", "q2"]
+    for s in single:  # left padding may flip a near-tie in greedy decoding; both must still parse
+        assert s.ok, s.error
+
+
+def test_max_tokens_cut_is_a_length_error(local):
+    (res,) = local.generate([ChatRequest("cut", [{"role": "user", "content": "List facts."}], json_schema=memory_schema(), max_tokens=4)])
+    assert res.parsed is None and res.error_kind == "length" and res.finish_reason == "length"

