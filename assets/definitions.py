@@ -6,12 +6,14 @@ from assets.forget import forget_user_job
 from assets.episodes import episodes
 from assets.ingest import turns
 from assets.memories import memories
+from assets.query_states import query_states
+from assets.retrieval import memory_embeddings, memory_indexes
 from assets.partitions import users_partitions
 from assets.sensors import MAIN_JOB_NAME, user_discovery_sensor
 from assets.warehouse import warehouse
 from resources import resources_for
 
-ALL_ASSETS = [turns, episodes, memories, warehouse]
+ALL_ASSETS = [turns, episodes, memories, memory_embeddings, memory_indexes, query_states, warehouse]
 
 main_job = dg.define_asset_job(
     MAIN_JOB_NAME,

@@ -5,8 +5,12 @@ carry the same policy or a backfill silently degrades to one user per run.
 """
 
 import os
+import warnings
 
 import dagster as dg
+
+# backfill_policy is marked beta; it is exactly the feature many-users-per-run relies on.
+warnings.filterwarnings("ignore", category=dg.BetaWarning)
 
 users_partitions = dg.DynamicPartitionsDefinition(name="users")
 

@@ -153,12 +153,15 @@ def cmd_users(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluations keep their own argument parsers; `qumem eval NAME ...` forwards to them."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.what == "segmentation":
-        from qumem_pipeline.segeval import run_segmentation_eval
+        from qumem_pipeline.segeval.evaluate import main as seg_main
 
-        run_segmentation_eval(args.path, fmt=args.format, as_json=args.json)
-        return 0
-    raise SystemExit(f"unknown evaluation {args.what!r}")
+        return seg_main(args.rest)
+    from qumem_pipeline.eval_locomo import main as locomo_main
+
+    return locomo_main(args.rest)
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> int:
@@ -208,11 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("users", help="list registered user partitions")
     sp.set_defaults(func=cmd_users)
 
-    sp = sub.add_parser("eval", help="evaluations")
-    sp.add_argument("what", choices=["segmentation"])
-    sp.add_argument("path", help="dataset file (TIAGE annotation or segments format)")
-    sp.add_argument("--format", choices=["tiage", "segments"], help="default: detect")
-    sp.add_argument("--json", action="store_true")
+    sp = sub.add_parser(
+        "eval",
+        help="evaluations: `segmentation PATH [--format tiage|segments] [--json]`, `locomo PATH [--json] ...`",
+        description="Forwards to the evaluation's own options; see `qumem eval segmentation --help`.",
+    )
+    sp.add_argument("what", choices=["segmentation", "locomo"])
+    sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 
     sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE (reproducible)")

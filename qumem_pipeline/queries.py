@@ -105,21 +105,19 @@ def _check(rec: dict) -> tuple[str, str] | None:
 def as_of_position(turns: pl.DataFrame, as_of: datetime | None, as_of_turn: int | None) -> int:
     """The last turn_index the query may draw evidence from (inclusive); -1 when none.
 
-    as_of_turn wins when given. With a timestamp, it is the last turn stamped at or before it
-    (turns with no timestamp inherit the previous stamped turn's time). With neither, the end
-    of the history.
+    as_of_turn wins when given. With a timestamp, it is the last turn stamped at or before it:
+    trailing turns with no timestamp are treated as not yet known (never future evidence). With
+    neither, the end of the history.
     """
     if as_of_turn is not None:
         return int(as_of_turn)
     if turns.height == 0:
         return -1
-    t = turns.sort("turn_index")
     if as_of is None:
-        return int(t["turn_index"].max())
+        return int(turns["turn_index"].max())
     if as_of.tzinfo is None:
         as_of = as_of.replace(tzinfo=timezone.utc)
-    filled = t.with_columns(pl.col("timestamp").fill_null(strategy="forward"))
-    ok = filled.filter(pl.col("timestamp").is_not_null() & (pl.col("timestamp") <= as_of))
+    ok = turns.filter(pl.col("timestamp").is_not_null() & (pl.col("timestamp") <= as_of))
     return int(ok["turn_index"].max()) if ok.height else -1
 
 

@@ -161,7 +161,7 @@ class Query:
 
 
 @dataclass
-class Candidate:
+class RetrievedMemory:
     memory_id: str
     type: str
     content: str
@@ -176,7 +176,7 @@ class Retriever(Protocol):
 
     def retrieve(
         self, requests: Sequence[tuple[str, list[tuple[str, list[str]]], int]], k: int
-    ) -> list[list[Candidate]]: ...
+    ) -> list[list[RetrievedMemory]]: ...
 
 
 STATE_SCHEMA = pl.Schema(
@@ -265,7 +265,7 @@ def validate_plan(raw: dict | None, query: str) -> tuple[list[tuple[str, list[st
     return plan, ("; ".join(dict.fromkeys(problems)) or None)
 
 
-def _render_candidates(cands: list[Candidate]) -> str:
+def _render_candidates(cands: list[RetrievedMemory]) -> str:
     if not cands:
         return "Retrieved memories: (none)"
     lines = []
@@ -275,7 +275,7 @@ def _render_candidates(cands: list[Candidate]) -> str:
     return "Retrieved memories (oldest first):\n" + "\n".join(lines)
 
 
-def _resolve_citations(state: dict, cands: list[Candidate]) -> tuple[dict, list[str], int]:
+def _resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict, list[str], int]:
     """Replace aliases (M3) with memory ids; drop citations of anything not retrieved."""
     alias = {f"M{i}": c.memory_id for i, c in enumerate(cands, start=1)}
     cited: list[str] = []

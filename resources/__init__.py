@@ -18,6 +18,7 @@ from qumem_pipeline.warehouse import Warehouse
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_ARCHIVE = REPO_ROOT / "examples" / "archive"
+EXAMPLE_QUERIES = REPO_ROOT / "examples" / "queries.jsonl"
 
 
 class PipelineConfig(dg.ConfigurableResource):
@@ -30,6 +31,10 @@ class PipelineConfig(dg.ConfigurableResource):
     strict: bool = False
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
     max_quarantine_fraction: float = 0.2  # blocking check: more bad rows than this stops the run
+    queries_path: str = ""  # personalization queries (JSONL/Parquet); "" = none this run
+    query_strategy: str = "qumem"  # qumem (three agents) | topk (single top-k baseline)
+    retrieval_k: int = 5
+    respond: bool = False  # also generate a personalized answer Ψ(q, Z_q)
 
     def layout(self) -> DataLayout:
         return DataLayout(self.data_root)
@@ -54,9 +59,10 @@ def _env(name: str, default: str) -> str:
 
 
 def _models(llm_kind: str) -> dict:
-    from resources.models import ContinuityClassifierResource, LLMResource
+    from resources.models import ContinuityClassifierResource, EmbedderResource, LLMResource
 
     return {
+        "embedder": EmbedderResource(device=_env("QUMEM_DEVICE", "")),
         "llm": LLMResource(
             kind=_env("QUMEM_LLM_KIND", llm_kind),
             model=_env("QUMEM_LLM_MODEL", ""),
@@ -82,6 +88,9 @@ def local_resources() -> dict:
             archive_format=_env("QUMEM_ARCHIVE_FORMAT", ""),
             warehouse_path=_env("QUMEM_WAREHOUSE", ""),
             strict=_env("QUMEM_STRICT", "0") == "1",
+            queries_path=_env("QUMEM_QUERIES", str(EXAMPLE_QUERIES)),
+            query_strategy=_env("QUMEM_QUERY_STRATEGY", "qumem"),
+            respond=_env("QUMEM_RESPOND", "0") == "1",
         ),
     }
 
@@ -95,6 +104,8 @@ def production_resources() -> dict:
             archive_format=_env("QUMEM_ARCHIVE_FORMAT", ""),
             warehouse_path=_env("QUMEM_WAREHOUSE", ""),
             strict=True,
+            queries_path=_env("QUMEM_QUERIES", ""),
+            query_strategy=_env("QUMEM_QUERY_STRATEGY", "qumem"),
         ),
     }
 

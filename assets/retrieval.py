@@ -1,0 +1,70 @@
+import time
+
+import dagster as dg
+import polars as pl
+
+from assets.memories import memories
+from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.progress import ProgressLogger
+from qumem_pipeline import vector_index
+from qumem_pipeline.embeddings import embed_memories
+from resources import PipelineConfig
+from resources.models import EmbedderResource
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[memories],
+    pool="gpu",
+    code_version="memory-embeddings-v1",
+    group_name="retrieval",
+    kinds={"pytorch", "parquet"},
+    description="Memory embeddings (all-MiniLM-L6-v2, normalised float32); unchanged memories are reused, "
+    "so a new embedding model re-embeds without re-running the LLM.",
+)
+def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfig, embedder: EmbedderResource) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    frames = [layout.read_user_table("memories", u) for u in users]
+    if any(f is None for f in frames):
+        raise dg.Failure("materialize `memories` first")
+    mems = pl.concat(frames)
+    previous = layout.read_table("memory_embeddings", users)
+    emb = embed_memories(mems, embedder.model, previous=previous, batch_size=embedder.batch_size,
+                         progress=ProgressLogger(context.log, "memories embedded"))
+    for u in users:
+        layout.write_user_table("memory_embeddings", u, emb.filter(pl.col("user_id") == u))
+    return dg.MaterializeResult(metadata={
+        "users": len(users), "dagster/row_count": emb.height, "embedding_model": embedder.model.version,
+        "device": str(embedder.model.device), "seconds": round(time.perf_counter() - t0, 3),
+    })
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[memory_embeddings],
+    pool="gpu",
+    code_version="memory-indexes-v1",
+    group_name="retrieval",
+    kinds={"faiss"},
+    description="Per-user, per-type FAISS indexes (IndexIDMap2 over exact inner product) + id map.",
+)
+def memory_indexes(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    sizes, built_on = {}, set()
+    for u in users:
+        emb = layout.read_user_table("memory_embeddings", u)
+        if emb is None:
+            raise dg.Failure(f"user {u}: materialize `memory_embeddings` first")
+        ux, _ = vector_index.build_and_write_user_indexes(layout, emb, u)
+        built_on.add(ux.built_on)
+        sizes[u] = {t: ti.ntotal for t, ti in ux.by_type.items()}
+    return dg.MaterializeResult(metadata={
+        "users": len(users), "vectors": sum(sum(v.values()) for v in sizes.values()),
+        "built_on": ",".join(sorted(built_on)), "seconds": round(time.perf_counter() - t0, 3),
+    })

@@ -1,0 +1,158 @@
+"""Retrieval stage latency per query (all of its planned sub-queries), stage-batched vs query-at-a-time,
+in the same run, over the same indexes and requests.
+
+Per-user, per-type indexes are built from random unit vectors (index contents do not change the cost of
+an exact search); each request has `--subqueries` planned queries over random non-empty store subsets
+and a random as_of. The cost includes embedding the sub-queries with the real MiniLM embedder (unless
+`--fake-embedder`), faiss search with the as_of selector, and merge/de-dup.
+
+- batched: all requests through one `execute_plans` call (one encode call, one search per
+  (user, store), rows filtered by their own as_of); its per-query latency is the stage wall time / number of queries,
+  measured `--repeats` times (p50/p95 over repeats).
+- query-at-a-time: one `execute_plans` call per request (p50/p95 over requests).
+
+    python bench/retrieval_latency.py [--users 20] [--memories-per-user 300] [--queries 200] [--json]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from qumem_pipeline import vector_index as vi  # noqa: E402
+from qumem_pipeline.embeddings import DIM, embedding_schema  # noqa: E402
+from qumem_pipeline.retrieval import PlannedQuery, RetrievalRequest, execute_plans  # noqa: E402
+from qumem_pipeline.storage import DataLayout  # noqa: E402
+
+WORDS = ("trip plan dinner vegan window seat swim run knee doctor budget book piano lesson weekend flight "
+         "hotel recipe garden dog cat meeting deadline report coffee tea prefer like moved started").split()
+
+
+class FakeEmbedder:
+    dim = DIM
+    version = "fake@0"
+
+    def __init__(self, seed=0):
+        self.rng = np.random.default_rng(seed)
+
+    def encode(self, texts, batch_size=128, progress=None):
+        v = self.rng.normal(size=(len(texts), DIM)).astype(np.float32)
+        return v / np.linalg.norm(v, axis=1, keepdims=True).clip(1e-9)
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if xs else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--users", type=int, default=20)
+    ap.add_argument("--memories-per-user", type=int, default=300)
+    ap.add_argument("--queries", type=int, default=200)
+    ap.add_argument("--subqueries", type=int, default=3)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--fake-embedder", action="store_true", help="random query vectors: search + merge only")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    rng = np.random.default_rng(0)
+    if args.fake_embedder:
+        emb = FakeEmbedder()
+    else:
+        from qumem_pipeline.embeddings import Embedder
+
+        emb = Embedder.load(device=args.device)
+
+    tmp = tempfile.mkdtemp(prefix="qumem-retrieval-bench-")
+    layout = DataLayout(tmp)
+    users = [f"user-{u:04d}" for u in range(args.users)]
+    t0 = time.perf_counter()
+    for u in users:
+        n = args.memories_per_user
+        v = rng.normal(size=(n, DIM)).astype(np.float32)
+        v /= np.linalg.norm(v, axis=1, keepdims=True)
+        df = pl.DataFrame(
+            {
+                "memory_id": [f"{u}-m{i}" for i in range(n)],
+                "user_id": [u] * n,
+                "type": [vi.MEMORY_TYPES[i % 3] for i in range(n)],
+                "position": rng.integers(0, 1000, n).tolist(),
+                "embedding": pl.Series(v, dtype=pl.Array(pl.Float32, DIM)),
+                "embedding_model": [emb.version] * n,
+            },
+            schema=embedding_schema(DIM),
+        )
+        vi.build_and_write_user_indexes(layout, df, u)
+    build_s = time.perf_counter() - t0
+    store = vi.VectorStore(layout)
+    for u in users:  # load once: the query-state stage keeps a user's indexes loaded for its queries
+        store.user(u)
+
+    def make_requests(seed):
+        r = np.random.default_rng(seed)
+        reqs = []
+        for q in range(args.queries):
+            plan = []
+            for s in range(args.subqueries):
+                types = [t for t in vi.MEMORY_TYPES if r.random() < 0.6] or [vi.MEMORY_TYPES[int(r.integers(3))]]
+                text = " ".join(r.choice(WORDS, size=int(r.integers(6, 16))))
+                plan.append(PlannedQuery(f"{text} ({q}.{s})", tuple(types)))
+            reqs.append(RetrievalRequest(f"q{q}", users[int(r.integers(len(users)))], plan, int(r.integers(100, 1000))))
+        return reqs
+
+    execute_plans(make_requests(99)[:8], store, emb, args.k)  # warm-up
+    batched = []
+    for rep in range(args.repeats):
+        reqs = make_requests(rep)
+        t = time.perf_counter()
+        execute_plans(reqs, store, emb, args.k)
+        batched.append((time.perf_counter() - t) / len(reqs) * 1000)
+    single = []
+    for req in make_requests(1000):
+        t = time.perf_counter()
+        execute_plans([req], store, emb, args.k)
+        single.append((time.perf_counter() - t) * 1000)
+    out = {
+        "bench": "retrieval_latency",
+        "users": args.users,
+        "memories_per_user": args.memories_per_user,
+        "queries": args.queries,
+        "subqueries_per_query": args.subqueries,
+        "k": args.k,
+        "embedder": emb.version,
+        "device": str(getattr(emb, "device", "n/a")),
+        "faiss_gpu_build": vi.gpu_available(),
+        "index_build_s": round(build_s, 2),
+        "batched_ms_per_query": {"p50": round(pct(batched, 50), 3), "p95": round(pct(batched, 95), 3),
+                                 "repeats": args.repeats},
+        "query_at_a_time_ms": {"p50": round(pct(single, 50), 3), "p95": round(pct(single, 95), 3), "n": len(single)},
+    }
+    out["speedup_p50"] = round(out["query_at_a_time_ms"]["p50"] / max(out["batched_ms_per_query"]["p50"], 1e-9), 2)
+    print(f"retrieval stage ({args.queries} queries x {args.subqueries} planned sub-queries, k={args.k}, "
+          f"{args.users} users x {args.memories_per_user} memories, {out['embedder']} on {out['device']})")
+    print(f"  stage-batched   : p50 {out['batched_ms_per_query']['p50']:.2f} ms/query, "
+          f"p95 {out['batched_ms_per_query']['p95']:.2f} ms/query (over {args.repeats} runs)")
+    print(f"  query-at-a-time : p50 {out['query_at_a_time_ms']['p50']:.2f} ms, p95 {out['query_at_a_time_ms']['p95']:.2f} ms")
+    print(f"  batched speedup at p50: {out['speedup_p50']}x")
+    if args.json:
+        print(json.dumps(out))
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""LoCoMo retrieval harness: the budgeted-recall rule on hand-made cases, and the harness end to end
+on a two-conversation slice of the shared dev file (skipped with a reason when the file is absent)."""
+
+import io
+import json
+import os
+import re
+from contextlib import redirect_stdout
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import polars as pl
+import pytest
+
+from qumem_pipeline.datasets import ENV_VAR, shared_datasets_dir
+from qumem_pipeline.eval_locomo import (
+    EvalUnit,
+    budgeted_coverage,
+    budgeted_recall,
+    main,
+    word_count,
+)
+
+DEV = shared_datasets_dir() / "locomo" / "locomo_dev5.json"
+
+
+def U(*pieces):
+    """A unit from (dia_ids, words) pieces."""
+    return EvalUnit("x", [(frozenset(ids if isinstance(ids, (list, tuple, set)) else [ids]), w) for ids, w in pieces])
+
+
+# ---------------------------------------------------------------------------------------- the rule
+
+
+def test_units_taken_whole_while_they_fit():
+    ranked = [U(("a", 60)), U(("b", 60)), U(("c", 8)), U(("d", 100))]
+    cov = budgeted_coverage(ranked, (128, 256))
+    assert cov[128] == {"a", "b", "c"}  # exactly 128 words: the budget is inclusive
+    assert cov[256] == {"a", "b", "c", "d"}
+
+
+def test_crossing_unit_truncated_half_rule():
+    # a window of two turns crossing the budget: its first turn fits, its second counts iff >= half fits
+    ranked = [U(("a", 100)), U(("b", 20), ("c", 16))]
+    assert budgeted_coverage(ranked, (128,))[128] == {"a", "b", "c"}  # c: 8 of 16 words fit -> counts
+    assert budgeted_coverage(ranked, (127,))[127] == {"a", "b"}  # 7 of 16 -> not
+    ranked = [U(("a", 100)), U(("b", 20), ("c", 18))]
+    assert budgeted_coverage(ranked, (128,))[128] == {"a", "b"}  # c: 8 of 18 words < half -> not covered
+    ranked = [U(("a", 100)), U(("b", 30))]
+    assert budgeted_coverage(ranked, (128,))[128] == {"a", "b"}  # 28 of 30 words fit
+    ranked = [U(("a", 120)), U(("b", 30))]
+    assert budgeted_coverage(ranked, (128,))[128] == {"a"}  # 8 of 30 words fit
+    # nothing after the crossing unit counts, even if it would fit
+    ranked = [U(("a", 120)), U(("b", 30)), U(("c", 1))]
+    assert budgeted_coverage(ranked, (128,))[128] == {"a"}
+
+
+def test_memory_piece_covers_all_its_evidence():
+    ranked = [U((["d1", "d2", "d3"], 12)), U(("d4", 300))]
+    assert budgeted_recall(ranked, ["d2", "d4", "d9"], (128, 256)) == {128: pytest.approx(1 / 3), 256: pytest.approx(2 / 3)}
+
+
+def test_exhausted_units_and_first_unit_over_budget():
+    assert budgeted_coverage([U(("a", 10))], (128, 256)) == {128: {"a"}, 256: {"a"}}
+    # a single session bigger than the budget: its first turns count, the rest do not
+    ranked = [U(("a", 60), ("b", 60), ("c", 60), ("d", 60))]
+    assert budgeted_coverage(ranked, (128, 200, 256)) == {128: {"a", "b"}, 200: {"a", "b", "c"}, 256: {"a", "b", "c", "d"}}
+    assert budgeted_coverage([], (128,)) == {128: set()}
+    with pytest.raises(ValueError):
+        budgeted_recall(ranked, [], (128,))
+    assert word_count("Caroline: I went to a support group.") == 7
+
+
+# ---------------------------------------------------------------------------------------- harness
+
+N_SESSIONS = 4
+
+
+@pytest.fixture(scope="module")
+def slice_file(tmp_path_factory):
+    if not DEV.is_file():
+        pytest.skip(f"LoCoMo dev file {DEV} not found; set {ENV_VAR} to the shared datasets directory")
+    data = json.loads(DEV.read_text())[:2]
+    for sample in data:
+        conv = sample["conversation"]
+        for key in list(conv):
+            m = re.match(r"^session_(\d+)(_date_time)?$", key)
+            if m and int(m.group(1)) > N_SESSIONS:
+                del conv[key]
+        kept = []
+        for q in sample["qa"]:
+            ev = q.get("evidence") or []
+            sess = [int(m.group(1)) for e in ev for m in [re.match(r"^D(\d+):\d+$", str(e))] if m]
+            if sess and len(sess) == len(ev) and max(sess) <= N_SESSIONS:
+                kept.append(q)
+        sample["qa"] = kept
+    p = tmp_path_factory.mktemp("locomo") / "locomo_slice2.json"
+    p.write_text(json.dumps(data))
+    return p, data
+
+
+def _memories_for_first_conversation(data, tmp_path):
+    """A stand-in memories table (one memory per speaker_a turn) for conversation 1 only."""
+    from qumem_pipeline.importers.locomo import import_locomo
+    from qumem_pipeline.validate import validate
+
+    turns = validate(import_locomo(str(tmp_path / "locomo_slice2.json"))).turns
+    sid = data[0]["sample_id"]
+    a = turns.filter((pl.col("conversation_id") == sid) & (pl.col("role") == "user")).sort(["user_id", "turn_index"])
+    first_user = a["user_id"][0]
+    a = a.filter(pl.col("user_id") == first_user)
+    mem = pl.DataFrame(
+        {
+            "memory_id": [f"m{i}" for i in range(a.height)],
+            "user_id": a["user_id"],
+            "type": ["fact"] * a.height,
+            "content": a["text"],
+            "episode_id": ["e"] * a.height,
+            "evidence_turn_ids": [[t] for t in a["turn_index"].to_list()],
+            "position": a["turn_index"],
+        }
+    )
+    out = tmp_path / "memories" / f"user_id={first_user}"
+    out.mkdir(parents=True, exist_ok=True)
+    mem.write_parquet(out / "part-0.parquet")
+    return tmp_path / "memories", mem
+
+
+class StubClassifier:
+    """Stands in for the continuity artifact when it is absent: a boundary every 5th user utterance."""
+
+    threshold = 0.5
+    version = "stub-continuity@0"
+
+    def predict_same_proba(self, pairs, batch_size=64, progress=None):
+        p = np.full(len(pairs), 0.9, dtype=np.float32)
+        p[4::5] = 0.1
+        return p
+
+
+@pytest.mark.slow
+def test_harness_on_two_conversation_slice(slice_file, monkeypatch):
+    from qumem_pipeline.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
+
+    stubbed = not (DEFAULT_ARTIFACT_DIR / "config.json").is_file()
+    if stubbed:  # still exercise the episodes path end to end
+        monkeypatch.setattr(ContinuityClassifier, "load", classmethod(lambda cls, *a, **k: StubClassifier()))
+    path, data = slice_file
+    mem_dir, mem = _memories_for_first_conversation(data, path.parent)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main([str(path), "--json", "--memories", str(mem_dir), "--window-sizes", "2,4",
+                   "--units", "turns,fixed_chunks,sessions,episodes,memories", "--out", str(path.parent / "r.json")])
+    assert rc == 0
+    lines = buf.getvalue().strip().splitlines()
+    report = json.loads(lines[-1])
+    assert json.loads((path.parent / "r.json").read_text()) == report
+    assert "overall (categories 1-4)" in buf.getvalue()
+
+    assert report["n_conversations"] == 2
+    n_items = sum(len(s["qa"]) for s in data)
+    assert report["n_questions_with_adversarial"] + report["skipped"]["items_without_valid_evidence"] == n_items
+    r = report["retrieval"]
+    budgets = ["128", "256", "512", "1024"]
+    for kind in ("turns", "sessions", "fixed_chunks"):
+        vals = [r[kind][b] for b in budgets]
+        assert all(0.0 <= v <= 1.0 for v in vals), kind
+        assert vals == sorted(vals), f"{kind}: recall must not drop with a bigger budget"
+    assert r["fixed_chunks"]["window_turns"] in (2, 4)
+    assert set(r["fixed_chunks_by_size"]) == {"2", "4"}
+    # ~4 sessions of ~20 turns: 1024 words reach most of the conversation
+    assert r["turns"]["1024"] > r["turns"]["128"]
+    assert r["sessions"]["1024"] >= 0.5
+    # episodes from the continuity classifier (the stub when the artifact is absent)
+    assert r["episodes"] is not None and report["units"]["episodes"]["n_units"] > 0
+    assert report["continuity_classifier"] == (
+        "stub-continuity@0" if stubbed else json.loads((DEFAULT_ARTIFACT_DIR / "config.json").read_text())["version"]
+    )
+    assert [r["episodes"][b] for b in budgets] == sorted(r["episodes"][b] for b in budgets)
+    # memories: only the first conversation has them -> partial, with turns on the same items
+    assert r["memories"] is not None and report["memories_subset_turns"] is not None
+    assert "memories_partial" in report["skipped"]
+    assert report["memories_n_memories"] == mem.height
+    for c, blk in report["per_category"].items():
+        assert blk["n"] > 0 and set(blk["turns"]) == set(budgets)
+    wa = report["retrieval_with_adversarial"]["turns"]
+    assert set(wa) == set(budgets)
