@@ -24,8 +24,11 @@ from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.versions import CODE_VERSION
 
 STRATEGIES = ("qumem", "topk")
-MAX_NEEDS = 6
-MAX_PLAN_QUERIES = 6
+MAX_NEEDS = 4
+MAX_PLAN_QUERIES = 4
+# Output budgets per stage: small models fill every string to its maxLength, so the schema
+# bounds are what keep a stage's cost predictable.
+A1_MAX_TOKENS, A2_MAX_TOKENS, A3_MAX_TOKENS, RESPONSE_MAX_TOKENS = 192, 192, 384, 256
 
 A1_SYSTEM = (
     "You are the information-need agent of a personal assistant's memory system. Given the user's "
@@ -54,7 +57,7 @@ RESPONSE_SYSTEM = (
     "You are a personal assistant. Answer the user's query using the inferred user state. Be concise."
 )
 
-_ID_LIST = {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 8}
+_ID_LIST = {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 5}
 A1_SCHEMA = {
     "type": "object",
     "properties": {
@@ -63,7 +66,7 @@ A1_SCHEMA = {
             "maxItems": MAX_NEEDS,
             "items": {
                 "type": "object",
-                "properties": {"need": {"type": "string", "maxLength": 300}, "why": {"type": "string", "maxLength": 300}},
+                "properties": {"need": {"type": "string", "maxLength": 160}, "why": {"type": "string", "maxLength": 160}},
                 "required": ["need", "why"],
                 "additionalProperties": False,
             },
@@ -81,7 +84,7 @@ A2_SCHEMA = {
             "items": {
                 "type": "object",
                 "properties": {
-                    "query": {"type": "string", "maxLength": 300},
+                    "query": {"type": "string", "maxLength": 160},
                     "stores": {"type": "array", "items": {"type": "string", "enum": list(MEMORY_TYPES)}, "maxItems": 3},
                 },
                 "required": ["query", "stores"],
@@ -97,24 +100,24 @@ A3_SCHEMA = {
     "properties": {
         "facts": {
             "type": "array",
-            "maxItems": 8,
+            "maxItems": 5,
             "items": {
                 "type": "object",
-                "properties": {"statement": {"type": "string", "maxLength": 300}, "memory_ids": _ID_LIST},
+                "properties": {"statement": {"type": "string", "maxLength": 200}, "memory_ids": _ID_LIST},
                 "required": ["statement", "memory_ids"],
                 "additionalProperties": False,
             },
         },
         "preference_trajectory": {
             "type": "array",
-            "maxItems": 6,
+            "maxItems": 3,
             "items": {
                 "type": "object",
                 "properties": {
-                    "aspect": {"type": "string", "maxLength": 120},
-                    "earlier": {"type": "string", "maxLength": 300},
-                    "current": {"type": "string", "maxLength": 300},
-                    "applies_now_because": {"type": "string", "maxLength": 300},
+                    "aspect": {"type": "string", "maxLength": 80},
+                    "earlier": {"type": "string", "maxLength": 160},
+                    "current": {"type": "string", "maxLength": 160},
+                    "applies_now_because": {"type": "string", "maxLength": 160},
                     "memory_ids": _ID_LIST,
                 },
                 "required": ["aspect", "earlier", "current", "applies_now_because", "memory_ids"],
@@ -123,10 +126,10 @@ A3_SCHEMA = {
         },
         "insights": {
             "type": "array",
-            "maxItems": 6,
+            "maxItems": 3,
             "items": {
                 "type": "object",
-                "properties": {"insight": {"type": "string", "maxLength": 300}, "memory_ids": _ID_LIST},
+                "properties": {"insight": {"type": "string", "maxLength": 200}, "memory_ids": _ID_LIST},
                 "required": ["insight", "memory_ids"],
                 "additionalProperties": False,
             },
@@ -137,7 +140,7 @@ A3_SCHEMA = {
 }
 RESPONSE_SCHEMA = {
     "type": "object",
-    "properties": {"answer": {"type": "string", "maxLength": 1200}},
+    "properties": {"answer": {"type": "string", "maxLength": 800}},
     "required": ["answer"],
     "additionalProperties": False,
 }
@@ -332,7 +335,7 @@ def infer_user_states(
         a1 = _generate_with_retry(llm, [
             ChatRequest(f"{q.query_id}/a1", [{"role": "system", "content": A1_SYSTEM},
                                              {"role": "user", "content": _user_msg(q, 'Return {"needs": [{"need": "...", "why": "..."}]}.')}],
-                        A1_SCHEMA, max_tokens, "information_needs")
+                        A1_SCHEMA, min(max_tokens, A1_MAX_TOKENS), "information_needs")
             for q in queries
         ])
         for i, r in enumerate(a1):
@@ -350,7 +353,7 @@ def infer_user_states(
                      q,
                      "Information needs:\n" + ("\n".join(f"- {d.get('need', '')} (why: {d.get('why', '')})" for d in needs[i]) or "- (none listed)")
                      + '\n\nReturn {"queries": [{"query": "...", "stores": ["fact"|"preference"|"insight", ...]}]}.')}],
-                A2_SCHEMA, max_tokens, "retrieval_plan")
+                A2_SCHEMA, min(max_tokens, A2_MAX_TOKENS), "retrieval_plan")
             for i, q in enumerate(queries)
         ])
         for i, r in enumerate(a2):
@@ -376,7 +379,7 @@ def infer_user_states(
         ChatRequest(f"{q.query_id}/a3",
                     [{"role": "system", "content": A3_SYSTEM},
                      {"role": "user", "content": _user_msg(q, _render_candidates(candidates[i]) + "\n\nReturn the user state as JSON.")}],
-                    A3_SCHEMA, max_tokens, "user_state")
+                    A3_SCHEMA, min(max_tokens, A3_MAX_TOKENS), "user_state")
         for i, q in enumerate(queries)
     ])
     states: list[dict | None] = [None] * n
@@ -399,7 +402,7 @@ def infer_user_states(
             ChatRequest(f"{queries[i].query_id}/psi",
                         [{"role": "system", "content": RESPONSE_SYSTEM},
                          {"role": "user", "content": _user_msg(queries[i], "Inferred user state: " + json.dumps(states[i]) + '\n\nReturn {"answer": "..."}.')}],
-                        RESPONSE_SCHEMA, max_tokens, "response")
+                        RESPONSE_SCHEMA, min(max_tokens, RESPONSE_MAX_TOKENS), "response")
             for i in todo
         ])
         for i, r in zip(todo, rr):

@@ -1,15 +1,22 @@
-"""Real Dagster runs on an ephemeral instance: definitions, multi-user runs, sensor, forget."""
+"""Real Dagster runs on an ephemeral instance with the real embedded models.
+
+One module-scoped run of the whole main job (3 users, every stage, the local LLM) feeds the
+end-to-end assertions; the forget test runs last because it deletes a user from that run.
+"""
 
 import importlib
 import json
 
 import dagster as dg
+import duckdb
 import polars as pl
 import pytest
 
 from tests.conftest import conversation, write_jsonl
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
+CANARY = "CANARY-d41d8cd9-unique-to-bob"
+ALL_ASSETS = ["turns", "episodes", "memories", "memory_embeddings", "memory_indexes", "query_states", "warehouse"]
 
 
 def load_defs():
@@ -19,54 +26,145 @@ def load_defs():
     return d.build_definitions()
 
 
-def run_main(defs, instance, users, job="main_job"):
+def run_job(defs, instance, users, job="main_job"):
     instance.add_dynamic_partitions("users", [u for u in users if not instance.has_dynamic_partition("users", u)])
     return defs.resolve_job_def(job).execute_in_process(
         instance=instance, tags={RANGE_START: users[0], RANGE_END: users[-1]}
     )
 
 
+def files_containing(root, needle: str) -> list:
+    """Files holding `needle` as raw bytes, or in decoded content (Parquet and DuckDB compress text)."""
+    hits = []
+    for p in root.rglob("*"):
+        if not p.is_file():
+            continue
+        found = needle.encode() in p.read_bytes()
+        if not found and p.suffix == ".parquet":
+            df = pl.read_parquet(p)
+            found = any(needle in str(v) for col in df.columns for v in df[col].to_list() if v is not None)
+        if not found and p.suffix == ".duckdb":
+            with duckdb.connect(str(p), read_only=True) as con:
+                for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall():
+                    if con.execute(f'SELECT count(*) FROM "{t}" AS r WHERE CAST(r AS VARCHAR) LIKE ?', [f"%{needle}%"]).fetchone()[0]:
+                        found = True
+        if found:
+            hits.append(p)
+    return hits
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    archive = tmp / "archive"
+    write_jsonl(
+        archive / "a.jsonl",
+        conversation("alice", "c1", ["I am vegetarian and I love cooking Italian food.", "Noted!",
+                                     "Now let's plan my trip to Lisbon in May.", "Sounds great."])
+        + conversation("bob", "c2", [f"My locker code is {CANARY}, please remember it.", "Saved.",
+                                     "I switched from running to swimming after my knee injury.", "Good call."],
+                       start="2024-03-02T10:00:00Z")
+        + [{"user_id": "bob", "conversation_id": "c2", "role": "robot", "text": f"bad row {CANARY}"}],
+    )
+    write_jsonl(archive / "b.jsonl", conversation("chen", "c3", ["I started learning piano.", "Nice!"], start="2024-04-01T09:00:00Z"))
+    queries = write_jsonl(tmp / "queries.jsonl", [
+        {"query_id": "q-bob", "user_id": "bob", "query": f"What exercise should I do this week? ({CANARY})",
+         "as_of": "2024-12-01T00:00:00Z"},
+    ])
+    env = {"QUMEM_DATA_ROOT": str(tmp / "data"), "QUMEM_ARCHIVE": str(archive), "QUMEM_QUERIES": str(queries)}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.delenv("QUMEM_WAREHOUSE", raising=False)
+        defs = load_defs()
+        instance = dg.DagsterInstance.ephemeral()
+        result = run_job(defs, instance, ["alice", "bob", "chen"])
+        yield {"data_root": tmp / "data", "defs": defs, "instance": instance, "result": result}
+
+
 def test_definitions_load_and_snapshot(dagster_env, small_archive):
     _, set_archive = dagster_env
     set_archive(small_archive)
     defs = load_defs()
-    repo = defs.get_repository_def()
-    keys = sorted(k.to_user_string() for k in repo.asset_graph.get_all_asset_keys())
-    assert {"turns", "warehouse"} <= set(keys)
-    specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
+    graph = defs.resolve_asset_graph()
+    assert sorted(k.to_user_string() for k in graph.get_all_asset_keys()) == sorted(ALL_ASSETS)
     policies = set()
-    for k in keys:
-        node = repo.asset_graph.get(dg.AssetKey.from_user_string(k))
+    for k in ALL_ASSETS:
+        node = graph.get(dg.AssetKey(k))
         assert isinstance(node.partitions_def, dg.DynamicPartitionsDefinition) and node.partitions_def.name == "users"
         policies.add(node.backfill_policy.max_partitions_per_run)
     assert len(policies) == 1, "every partitioned asset must share one backfill policy"
-    assert repo.asset_graph.get(dg.AssetKey("warehouse")).pools == {"warehouse"}
+    pools = {k: graph.get(dg.AssetKey(k)).pools for k in ALL_ASSETS}
+    assert pools["warehouse"] == {"warehouse"}
+    assert all(pools[k] == {"gpu"} for k in ("episodes", "memories", "memory_embeddings", "memory_indexes", "query_states"))
+    checks = sorted(f"{c.asset_key.to_user_string()}:{c.name}" for c in graph.asset_check_keys)
+    assert checks == [
+        "episodes:every_turn_in_one_nonempty_episode", "episodes:schema_conforms",
+        "memories:evidence_inside_episode", "query_states:no_citation_after_as_of",
+        "turns:quarantine_under_ceiling", "turns:schema_conforms",
+    ]
+    repo = defs.get_repository_def()
     assert {"main_job", "ingest_job", "forget_user_job"} <= {j.name for j in repo.get_all_jobs()}
     assert [s.name for s in repo.sensor_defs] == ["user_discovery_sensor"]
-    assert specs["turns"].code_version
 
 
-def test_multi_user_run_writes_one_partition_per_user(dagster_env, small_archive):
-    data_root, set_archive = dagster_env
-    set_archive(small_archive)
-    defs = load_defs()
-    instance = dg.DagsterInstance.ephemeral()
-    result = run_main(defs, instance, ["alice", "bob", "chen"])
+def test_main_job_materializes_every_asset_per_user(pipeline_run):
+    result, data_root = pipeline_run["result"], pipeline_run["data_root"]
     assert result.success
-    files = sorted(p.relative_to(data_root).as_posix() for p in (data_root / "turns").rglob("*.parquet"))
-    assert files == [f"turns/user_id={u}/part-0.parquet" for u in ("alice", "bob", "chen")]
-    alice = pl.read_parquet(data_root / "turns" / "user_id=alice" / "part-0.parquet")
-    assert alice["user_id"].unique().to_list() == ["alice"] and alice.height == 4
-    mats = result.get_asset_materialization_events()
-    assert {(m.asset_key.to_user_string(), m.partition) for m in mats} == {
-        (a, u) for a in ("turns", "warehouse") for u in ("alice", "bob", "chen")
-    }
-    import duckdb
+    mats = {(m.asset_key.to_user_string(), m.partition) for m in result.get_asset_materialization_events()}
+    assert mats == {(a, u) for a in ALL_ASSETS for u in ("alice", "bob", "chen")}
+    for table in ("turns", "episodes", "memories", "memory_embeddings", "llm_ledger"):
+        files = sorted(p.relative_to(data_root).as_posix() for p in (data_root / table).rglob("*.parquet"))
+        assert files == [f"{table}/user_id={u}/part-0.parquet" for u in ("alice", "bob", "chen")], table
+    for u in ("alice", "bob", "chen"):
+        assert {p.name for p in (data_root / "indexes" / f"user_id={u}").iterdir()} == {"fact.faiss", "preference.faiss", "insight.faiss"}
+    checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks and all(checks.values()), checks
 
-    with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
+
+def test_every_row_carries_versions_and_episodes_cover_turns(pipeline_run):
+    data_root = pipeline_run["data_root"]
+    eps = pl.read_parquet(data_root / "episodes" / "user_id=alice" / "part-0.parquet")
+    assert eps["classifier_version"].str.starts_with("continuity-").all()
+    assert sorted(t for ids in eps["turn_ids"].to_list() for t in ids) == [0, 1, 2, 3]
+    mems = pl.read_parquet(data_root / "memories" / "user_id=bob" / "part-0.parquet")
+    ledger = pl.read_parquet(data_root / "llm_ledger" / "user_id=bob" / "part-0.parquet")
+    assert ledger.height >= 3 and set(ledger["type"]) == {"fact", "preference", "insight"}
+    assert (ledger["prompt_tokens"] > 0).all() and ledger["model"].is_not_null().all()
+    if mems.height:
+        assert mems["prompt_version"].str.starts_with("decompose-").all() and mems["model"].is_not_null().all()
+        bob_eps = pl.read_parquet(data_root / "episodes" / "user_id=bob" / "part-0.parquet")
+        allowed = {t for ids in bob_eps["turn_ids"].to_list() for t in ids}
+        assert all(set(ev) <= allowed for ev in mems["evidence_turn_ids"].to_list())
+
+
+def test_warehouse_holds_every_stage(pipeline_run):
+    with duckdb.connect(str(pipeline_run["data_root"] / "warehouse.duckdb"), read_only=True) as con:
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        assert {"turns", "quarantine", "episodes", "memories", "llm_ledger"} <= tables
         assert con.execute("SELECT user_id, count(*) FROM turns GROUP BY 1 ORDER BY 1").fetchall() == [
-            ("alice", 4), ("bob", 4), ("chen", 4)
-        ]
+            ("alice", 4), ("bob", 4), ("chen", 2)]
+        assert con.execute("SELECT field FROM quarantine WHERE user_id = 'bob'").fetchall() == [("role",)]
+        # citations of query states resolve to memories and evidence turns of the same user
+        if "query_states" in tables:
+            bad = con.execute("""
+                SELECT count(*) FROM (SELECT user_id, unnest(cited_memory_ids) AS mid FROM query_states) q
+                LEFT JOIN memories m ON m.memory_id = q.mid AND m.user_id = q.user_id WHERE m.memory_id IS NULL
+            """).fetchone()[0]
+            assert bad == 0
+
+
+def test_rerun_converges(pipeline_run):
+    """A second run over the same users rewrites the same rows (ids stable, no duplicates)."""
+    data_root, defs, instance = pipeline_run["data_root"], pipeline_run["defs"], pipeline_run["instance"]
+    before = pl.read_parquet(data_root / "episodes" / "user_id=alice" / "part-0.parquet")
+    assert run_job(defs, instance, ["alice"], job="ingest_job").success
+    after_turns = pl.read_parquet(data_root / "turns" / "user_id=alice" / "part-0.parquet")
+    assert after_turns.height == 4
+    with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM turns WHERE user_id='alice'").fetchone()[0] == 4
+    assert before["episode_id"].n_unique() == before.height
+    assert not list(data_root.rglob(".tmp-*"))
 
 
 def test_sensor_registers_new_users_and_requests_runs_for_changes(dagster_env, small_archive):
@@ -75,59 +173,18 @@ def test_sensor_registers_new_users_and_requests_runs_for_changes(dagster_env, s
     defs = load_defs()
     instance = dg.DagsterInstance.ephemeral()
     sensor = defs.resolve_sensor_def("user_discovery_sensor")
-    ctx = dg.build_sensor_context(instance=instance, resources=defs.resources)
-    res = sensor(ctx)
+    res = sensor(dg.build_sensor_context(instance=instance, resources={"pipeline": defs.resources["pipeline"]}))
     assert sorted(res.dynamic_partitions_requests[0].partition_keys) == ["alice", "bob", "chen"]
     assert sorted(r.partition_key for r in res.run_requests) == ["alice", "bob", "chen"]
     cursor = res.cursor
-    # Nothing changed: no runs.
-    res2 = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=defs.resources))
+    res2 = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"pipeline": defs.resources["pipeline"]}))
     assert res2.run_requests == [] and res2.dynamic_partitions_requests == []
-    # bob's history grows; a new user appears.
     write_jsonl(small_archive / "c.jsonl", conversation("bob", "c9", ["New puppy!", "Congrats"], start="2024-05-01T00:00:00Z")
                 + conversation("dana", "c10", ["Hi", "Hello"]))
-    res3 = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=defs.resources))
+    res3 = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"pipeline": defs.resources["pipeline"]}))
     assert sorted(r.partition_key for r in res3.run_requests) == ["bob", "dana"]
     assert res3.dynamic_partitions_requests[0].partition_keys == ["dana"]
     assert json.loads(res3.cursor).keys() == {"alice", "bob", "chen", "dana"}
-
-
-def test_forget_removes_canary_everywhere_and_keeps_others(dagster_env, tmp_path):
-    data_root, set_archive = dagster_env
-    canary = "CANARY-d41d8cd9-unique-to-bob"
-    archive = tmp_path / "arch"
-    write_jsonl(
-        archive / "x.jsonl",
-        conversation("alice", "c1", ["alice text one", "reply", "alice text two", "reply"])
-        + conversation("bob", "c2", [f"my secret is {canary}", "ok", "more bob", "fine"])
-        + [{"user_id": "bob", "conversation_id": "c2", "role": "robot", "text": f"bad row {canary}"}],
-    )
-    set_archive(archive)
-    defs = load_defs()
-    instance = dg.DagsterInstance.ephemeral()
-    assert run_main(defs, instance, ["alice", "bob"]).success
-    hits_before = [p for p in data_root.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()]
-    assert hits_before, "the canary must be somewhere before forgetting, or the test proves nothing"
-
-    r = defs.resolve_job_def("forget_user_job").execute_in_process(
-        instance=instance, run_config={"ops": {"forget_user_op": {"config": {"user_id": "bob"}}}}
-    )
-    assert r.success
-    leftovers = [p for p in data_root.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()]
-    assert leftovers == []
-    assert not instance.has_dynamic_partition("users", "bob")
-    assert pl.read_parquet(data_root / "turns" / "user_id=alice" / "part-0.parquet").height == 4
-    import duckdb
-
-    with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
-        assert con.execute("SELECT DISTINCT user_id FROM turns").fetchall() == [("alice",)]
-    # A rerun of the whole pipeline does not bring bob back from the archive.
-    assert run_main(defs, instance, ["alice"]).success
-    sensor_res = defs.resolve_sensor_def("user_discovery_sensor")(
-        dg.build_sensor_context(instance=instance, resources=defs.resources)
-    )
-    assert "bob" not in [r.partition_key for r in sensor_res.run_requests]
-    assert [p for p in data_root.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()] == []
 
 
 def test_forget_rejects_malicious_id(dagster_env, small_archive):
@@ -139,3 +196,33 @@ def test_forget_rejects_malicious_id(dagster_env, small_archive):
             instance=dg.DagsterInstance.ephemeral(),
             run_config={"ops": {"forget_user_op": {"config": {"user_id": "../x"}}}},
         )
+
+
+def test_forget_removes_canary_everywhere_and_keeps_others(pipeline_run):
+    """Runs last: erases bob from the shared run and proves no byte of his canary survives."""
+    data_root, defs, instance = pipeline_run["data_root"], pipeline_run["defs"], pipeline_run["instance"]
+    hits = files_containing(data_root, CANARY)
+    assert hits, "the canary must be somewhere before forgetting, or the test proves nothing"
+    assert any("warehouse.duckdb" in str(p) for p in hits) and any("turns" in str(p) for p in hits)
+    alice_before = {t: pl.read_parquet(data_root / t / "user_id=alice" / "part-0.parquet") for t in ("turns", "episodes", "memories")}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUMEM_DATA_ROOT", str(data_root))
+        r = defs.resolve_job_def("forget_user_job").execute_in_process(
+            instance=instance, run_config={"ops": {"forget_user_op": {"config": {"user_id": "bob"}}}}
+        )
+    assert r.success
+    assert files_containing(data_root, CANARY) == []
+    assert not any(p.name == "user_id=bob" for p in data_root.rglob("user_id=*"))
+    assert not instance.has_dynamic_partition("users", "bob")
+    for t, df in alice_before.items():
+        assert pl.read_parquet(data_root / t / "user_id=alice" / "part-0.parquet").equals(df), t
+    with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT DISTINCT user_id FROM turns ORDER BY 1").fetchall() == [("alice",), ("chen",)]
+    # Rediscovery from the (unchanged) archive does not bring bob back.
+    sensor_res = defs.resolve_sensor_def("user_discovery_sensor")(
+        dg.build_sensor_context(instance=instance, resources={"pipeline": defs.resources["pipeline"]})
+    )
+    assert "bob" not in [r.partition_key for r in sensor_res.run_requests]
+    assert run_job(defs, instance, ["alice"], job="ingest_job").success
+    assert files_containing(data_root, CANARY) == []
