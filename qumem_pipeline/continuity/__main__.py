@@ -1,0 +1,3 @@
+from .train import main
+
+raise SystemExit(main())

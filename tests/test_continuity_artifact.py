@@ -1,0 +1,79 @@
+"""The committed continuity artifact loads offline and gives sane probabilities."""
+
+import json
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import numpy as np
+import pytest
+import torch
+
+from qumem_pipeline.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
+from qumem_pipeline.continuity.lora import LoRALinear
+from qumem_pipeline.continuity.model import ContinuityNet, ModelConfig
+
+PREV = "i just adopted a puppy , she is a golden retriever ."
+CONT = "what breed is she ? golden retrievers are so friendly with kids ."
+SHIFT = "what do you do for a living ? i work as an accountant ."
+
+
+@pytest.fixture(scope="module")
+def clf():
+    return ContinuityClassifier.load(device="cpu")
+
+
+def test_artifact_small_and_complete():
+    files = list(DEFAULT_ARTIFACT_DIR.iterdir())
+    assert sum(f.stat().st_size for f in files) <= 5 * 1024 * 1024
+    cfg = json.loads((DEFAULT_ARTIFACT_DIR / "config.json").read_text())
+    for key in ("version", "base_model", "base_model_sha256", "max_len", "lora", "threshold", "metrics", "train"):
+        assert key in cfg, key
+    assert cfg["metrics"]["test"]["pk"] < 0.35
+
+
+def test_loads_offline_and_is_merged(clf):
+    assert clf.version.startswith("continuity-minilm-lora-v1-")
+    assert 0.0 < clf.threshold < 1.0
+    assert not any(isinstance(m, LoRALinear) for m in clf.net.modules())
+
+
+def test_sane_probabilities(clf):
+    p = clf.predict_same_proba([(PREV, CONT), (PREV, SHIFT)])
+    assert p.dtype == np.float32 and p.shape == (2,)
+    assert np.all((p >= 0) & (p <= 1))
+    assert p[0] > p[1]
+    assert p[0] > clf.threshold > p[1]
+
+
+def test_order_and_batching_invariant(clf):
+    pairs = [(PREV, CONT), (PREV, SHIFT), ("", ""), ("hi", "hello how are you doing today my friend ?"), (CONT, PREV)]
+    seen = []
+    p_all = clf.predict_same_proba(pairs, batch_size=2, progress=lambda d, t: seen.append((d, t)))
+    p_one = np.array([clf.predict_same_proba([x])[0] for x in pairs])
+    np.testing.assert_allclose(p_all, p_one, atol=1e-4)
+    assert seen[-1] == (5, 5) and len(seen) == 3
+    assert clf.predict_same_proba([]).shape == (0,)
+
+
+def test_merged_equals_unmerged(clf):
+    from safetensors.torch import load_file
+
+    net = ContinuityNet(ModelConfig.from_json(clf.config["model"]))
+    net.load_trainable_state(load_file(str(DEFAULT_ARTIFACT_DIR / "adapters.safetensors")))
+    net.eval()
+    (idx, ids, mask, types), = clf.prepare([(PREV, CONT), (PREV, SHIFT)], 8)
+    with torch.inference_mode():
+        a = torch.sigmoid(net(ids, mask, types))
+        b = torch.sigmoid(clf.net(ids, mask, types))
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_base_hash_is_verified(tmp_path):
+    cfg = json.loads((DEFAULT_ARTIFACT_DIR / "config.json").read_text())
+    cfg["base_model_sha256"] = "0" * 64
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "adapters.safetensors").write_bytes((DEFAULT_ARTIFACT_DIR / "adapters.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="sha256"):
+        ContinuityClassifier.load(tmp_path)

@@ -1,0 +1,71 @@
+"""The training loop runs a few steps on a tiny inline subset, the loss falls, an artifact is written."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+
+from qumem_pipeline.continuity.data import Pair
+from qumem_pipeline.continuity.model import ModelConfig
+from qumem_pipeline.continuity.train import TrainConfig, train
+
+SAME = [
+    ("i just adopted a puppy", "what breed is your new puppy ?"),
+    ("i love cooking italian food", "my favourite pasta is lasagna"),
+    ("we went hiking in the mountains", "the trail up the mountain was steep"),
+    ("i play guitar in a band", "our band plays rock songs on guitar"),
+]
+DIFF = [
+    ("i just adopted a puppy", "do you like jazz music ?"),
+    ("i love cooking italian food", "what car do you drive ?"),
+    ("we went hiking in the mountains", "i work as an accountant"),
+    ("i play guitar in a band", "my grandmother lives in florida"),
+]
+
+
+def _pairs():
+    out = [Pair(a, b, 1, f"d{i}", 0) for i, (a, b) in enumerate(SAME)]
+    out += [Pair(a, b, 0, f"d{i}", 1) for i, (a, b) in enumerate(DIFF)]
+    return out
+
+
+def test_train_few_steps_loss_falls(tmp_path):
+    pairs = _pairs()
+    cfg = TrainConfig(epochs=8, batch_size=8, lr=3e-3, head_lr=1e-2, warmup_frac=0.0, eval_batch_size=8,
+                      model=ModelConfig(max_len=32, lora_r=4, head_dropout=0.0))
+    res = train(tmp_path / "art", seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=pairs,
+                log=lambda m: None)
+    losses = res["losses"]
+    assert len(losses) == 8
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.05, losses
+    cfg_json = json.loads((tmp_path / "art" / "config.json").read_text())
+    assert cfg_json["version"].startswith("continuity-minilm-lora-v1-")
+    assert 0.0 < cfg_json["threshold"] < 1.0
+    assert (tmp_path / "art" / "adapters.safetensors").stat().st_size < 5_000_000
+
+
+def test_train_is_seeded(tmp_path):
+    pairs = _pairs()
+    cfg = TrainConfig(epochs=1, batch_size=4, max_steps=2, eval_batch_size=8,
+                      model=ModelConfig(max_len=32, lora_r=2))
+    a = train(None, seed=1, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[], log=lambda m: None)
+    b = train(None, seed=1, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[], log=lambda m: None)
+    assert a["losses"] == b["losses"]
+    assert a["version"] == b["version"]
+
+
+def test_swap_aug_and_cls_mean_pooling(tmp_path):
+    pairs = _pairs()
+    cfg = TrainConfig(epochs=1, batch_size=4, max_steps=3, eval_batch_size=8, swap_aug=True, label_smoothing=0.1,
+                      model=ModelConfig(max_len=32, lora_r=2, pooling="cls_mean"))
+    res = train(tmp_path / "art", seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[],
+                log=lambda m: None)
+    assert res["train"]["n_train_pairs"] == 2 * len(pairs)  # swapped copies were added
+    assert len(res["losses"]) == 3
+    from qumem_pipeline.continuity import ContinuityClassifier
+
+    clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
+    p = clf.predict_same_proba([(a, b) for a, b in SAME[:2]])
+    assert p.shape == (2,) and np.all((p >= 0) & (p <= 1))
