@@ -67,14 +67,26 @@ MAX_EVIDENCE_IDS = 8
 MAX_TURN_ID = 2**31 - 1
 
 
-def memory_schema() -> dict[str, Any]:
-    """The JSON schema every decomposer call is constrained to (identical for the three types)."""
+def memory_schema(turn_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """The JSON schema of every decomposer call's output (identical for the three types).
+
+    Without arguments: the schema output is validated against. With the episode's `turn_ids`: the
+    tighter schema decoding is constrained to (`ChatRequest.constraint_schema`): evidence ids
+    bounded to the episode's range, at most one memory per turn and one evidence id per turn, so a schema-constrained backend can only cite that episode's
+    turns (unbounded, SmolLM2 through vLLM cites turn 1 of a [4..6] episode and every memory is
+    dropped). Validation stays unbounded: from a server that ignores the constraint, ids outside
+    the episode (or in gaps of a non-contiguous one) are dropped and counted, not quarantined.
+    """
+    lo, hi = (min(turn_ids), max(turn_ids)) if turn_ids else (0, MAX_TURN_ID)
+    # bounded: at most one memory per turn and every turn cited once (no runaway repeated items)
+    n_mem = min(MAX_MEMORIES_PER_CALL, max(1, len(set(turn_ids)))) if turn_ids else MAX_MEMORIES_PER_CALL
+    n_ev = min(MAX_EVIDENCE_IDS, len(set(turn_ids))) if turn_ids else MAX_EVIDENCE_IDS
     return {
         "type": "object",
         "properties": {
             "memories": {
                 "type": "array",
-                "maxItems": MAX_MEMORIES_PER_CALL,
+                "maxItems": n_mem,
                 "items": {
                     "type": "object",
                     "properties": {
@@ -82,8 +94,8 @@ def memory_schema() -> dict[str, Any]:
                         "evidence_turn_ids": {
                             "type": "array",
                             "minItems": 1,
-                            "maxItems": MAX_EVIDENCE_IDS,
-                            "items": {"type": "integer", "minimum": 0, "maximum": MAX_TURN_ID},
+                            "maxItems": n_ev,
+                            "items": {"type": "integer", "minimum": lo, "maximum": hi},
                         },
                     },
                     "required": ["content", "evidence_turn_ids"],
@@ -98,7 +110,8 @@ def memory_schema() -> dict[str, Any]:
 
 def _prompt_fingerprint() -> str:
     blob = json.dumps(
-        {"system": SYSTEM_PROMPT, "types": TYPE_INSTRUCTIONS, "out": OUTPUT_INSTRUCTION, "schema": memory_schema()},
+        {"system": SYSTEM_PROMPT, "types": TYPE_INSTRUCTIONS, "out": OUTPUT_INSTRUCTION, "schema": memory_schema(),
+         "decoding_bounds": "episode-range, max items per turn"},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
@@ -240,16 +253,18 @@ def build_requests(
     episodes: Iterable[Any], max_tokens: int = 512, types: Sequence[str] = MEMORY_TYPES
 ) -> list[ChatRequest]:
     """One request per (episode, type); an episode's three requests are adjacent."""
-    schema = memory_schema()
+    schema = memory_schema()  # what output is validated against; ids outside the episode are dropped later
     reqs = []
     for raw in episodes:
         ep = coerce_episode(raw)
+        bounded = memory_schema([t.turn_index for t in ep.turns])
         for t in types:
             reqs.append(
                 ChatRequest(
                     request_id=_request_id(ep, t, 1),
                     messages=build_messages(ep, t),
                     json_schema=schema,
+                    constraint_schema=bounded,
                     max_tokens=max_tokens,
                     schema_name=f"{t}_memories",
                     metadata={"user_id": ep.user_id, "episode_id": ep.episode_id, "type": t, "attempt": 1},
@@ -452,6 +467,7 @@ def decompose_episodes(
                         request_id=_request_id(ep, md["type"], 2),
                         messages=req.messages,
                         json_schema=req.json_schema,
+                        constraint_schema=req.constraint_schema,
                         max_tokens=new_tokens,
                         schema_name=req.schema_name,
                         metadata={**md, "attempt": 2, "first_error": res.error},

@@ -58,6 +58,8 @@ def test_local_decomposes_episode_into_schema_valid_rows(local):
     assert (led["prompt_tokens"] > 0).all() and (led["completion_tokens"] > 0).all()
     assert (led["shared_prefix_tokens"] > 0).all() and (led["shared_prefix_tokens"] < led["prompt_tokens"]).all()
     assert out.summary["computed_prefill_tokens"] < out.summary["prompt_tokens"]
+    # the episode's three calls share system text + transcript: the later ones reuse its KV
+    assert (led["cached_tokens"] > 0).sum() >= 2 and (led["cached_tokens"] < led["prompt_tokens"]).all()
     # a rerun gives the same rows (greedy decoding, stable ids)
     again = decompose_episodes([EPISODE], local, created_at=created, max_tokens=160)
     assert again.memories.equals(out.memories)
@@ -76,8 +78,11 @@ def test_batched_and_one_at_a_time_always_parse(local):
         assert b.ok, b.error
         jsonschema.validate(b.parsed, schema)
     assert [r.request_id for r in batched] == ["q0", "q1", "q2"]
-    for s in single:  # left padding may flip a near-tie in greedy decoding; both must still parse
+    for s in single:
         assert s.ok, s.error
+    # continuous batching evicts finished rows and prefills each row alone: same greedy tokens
+    assert [s.raw_text for s in single] == [b.raw_text for b in batched]
+    assert [s.completion_tokens for s in single] == [b.completion_tokens for b in batched]
 
 
 def test_max_tokens_cut_is_a_length_error(local):

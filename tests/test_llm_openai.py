@@ -166,3 +166,28 @@ def test_jitter_is_seeded():
     assert [a._backoff(i, None) for i in range(5)] == [b._backoff(i, None) for i in range(5)]
     assert a._backoff(0, 2.5) == 2.5
     json.dumps(a.build_body(req(0, "x")))  # serialisable
+
+
+def test_whitespace_runaway_length_cut_names_the_server_fix(tmp_path):
+    # What vLLM + SmolLM2 did without the server's disable_any_whitespace: newlines until max_tokens.
+    runaway = '{\n  "answer": ' + "\n" * 60
+    script = {"rules": [{"match": "ws", "responses": [{"content": runaway, "finish_reason": "length"}]}]}
+    with RunningFakeServer(script, tmp_path) as srv, backend(srv, model="m") as be:
+        (res,) = be.generate([req(0, "ws")])
+    assert res.error_kind == "length" and "disable_any_whitespace" in res.error
+
+
+def test_vllm_managed_starts_server_with_compact_json(tmp_path):
+    import sys
+
+    from qumem_pipeline.llm.vllm_managed import VLLMStartError
+
+    # this venv has no vllm, so the child exits at once; the error names the command it ran
+    with pytest.raises(VLLMStartError) as err:
+        make_backend("vllm-managed", model="m", python=sys.executable, log_path=tmp_path / "v.log", startup_timeout_s=30)
+    msg = str(err.value)
+    assert "--structured-outputs-config" in msg and '"disable_any_whitespace": true' in msg and '"backend": "xgrammar"' in msg
+    with pytest.raises(VLLMStartError) as err:
+        make_backend("vllm-managed", model="m", python=sys.executable, log_path=tmp_path / "w.log", startup_timeout_s=30,
+                     extra_args=["--structured-outputs-config", '{"backend": "guidance"}'])
+    assert str(err.value).count("--structured-outputs-config") == 1

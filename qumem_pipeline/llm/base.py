@@ -45,6 +45,14 @@ class ChatRequest:
     max_tokens: int = 512
     schema_name: str = "output"
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Optional tighter schema that decoding is constrained to (e.g. evidence ids bounded to one
+    # episode); output is still validated against `json_schema`, so a server that ignores the
+    # constraint cannot turn a recoverable detail into a schema violation. Default: json_schema.
+    constraint_schema: dict[str, Any] | None = None
+
+    @property
+    def decoding_schema(self) -> dict[str, Any] | None:
+        return self.constraint_schema if self.constraint_schema is not None else self.json_schema
 
 
 @dataclass

@@ -133,17 +133,20 @@ class OpenAIBackend(BackendBase):
             "temperature": self.temperature,
             "seed": self.seed,
         }
-        if req.json_schema is not None:
+        schema = req.decoding_schema
+        if schema is not None:
             if self.send_response_format:
                 body["response_format"] = {
                     "type": "json_schema",
-                    "json_schema": {"name": req.schema_name, "schema": req.json_schema, "strict": self.strict},
+                    "json_schema": {"name": req.schema_name, "schema": schema, "strict": self.strict},
                 }
             if self.send_structured_outputs:
-                so: dict[str, Any] = {"json": req.json_schema}
+                so: dict[str, Any] = {"json": schema}
                 if self.compact_json:
-                    # No free whitespace between JSON tokens: small models otherwise emit endless
-                    # blank runs until max_tokens (seen with vLLM + SmolLM2-135M).
+                    # Asks for no free whitespace between JSON tokens. NOTE: vLLM 0.32 ignores this
+                    # per-request field and honours only the server's
+                    # `--structured-outputs-config '{"backend":"xgrammar","disable_any_whitespace":true}'`
+                    # (vllm-managed passes it); sent anyway for servers that read it.
                     so["disable_any_whitespace"] = True
                 body["structured_outputs"] = so
         body.update(self.extra_body)
@@ -209,7 +212,11 @@ class OpenAIBackend(BackendBase):
         if req.json_schema is not None or text:
             parsed, error = parse_structured(text, req.json_schema)
         if error is not None and finish == "length":
-            error = f"{ERROR_LENGTH}: output cut at max_tokens={req.max_tokens} ({error})"
+            hint = ""
+            if req.json_schema is not None and len(text) >= 32 and not text[-32:].strip():
+                hint = (" [output ends in a whitespace run: the server lets free whitespace into JSON; start "
+                        "vLLM with --structured-outputs-config '{\"backend\":\"xgrammar\",\"disable_any_whitespace\":true}']")
+            error = f"{ERROR_LENGTH}: output cut at max_tokens={req.max_tokens}{hint} ({error})"
         return ChatResult(
             request_id=req.request_id,
             parsed=parsed,

