@@ -54,11 +54,7 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     for u in users:
         layout.write_user_table("memories", u, out.memories.filter(pl.col("user_id") == u))
         layout.write_user_table("llm_ledger", u, out.ledger.filter(pl.col("user_id") == u))
-        q = out.quarantine.filter(pl.col("user_id") == u)
-        if q.height:
-            layout.write_user_table("memory_quarantine", u, q)
-        else:
-            layout.remove_user_table("memory_quarantine", u)
+        layout.write_or_remove_user_table("memory_quarantine", u, out.quarantine.filter(pl.col("user_id") == u))
     evidence = checks.evidence_inside_episodes(out.memories, pl.concat(all_eps) if all_eps else pl.DataFrame(
         schema={"episode_id": pl.String, "turn_ids": pl.List(pl.Int64)}))
     s = out.summary

@@ -57,16 +57,8 @@ def query_states(
         progress=lambda stage, done, total: progress(done, total) or context.log.info(f"stage done: {stage}"),
     )
     for u in users:
-        st = out.states.filter(pl.col("user_id") == u)
-        if st.height:
-            layout.write_user_table("query_states", u, st)
-        else:
-            layout.remove_user_table("query_states", u)
-        q = out.quarantine.filter(pl.col("user_id") == u)
-        if q.height:
-            layout.write_user_table("query_quarantine", u, q)
-        else:
-            layout.remove_user_table("query_quarantine", u)
+        layout.write_or_remove_user_table("query_states", u, out.states.filter(pl.col("user_id") == u))
+        layout.write_or_remove_user_table("query_quarantine", u, out.quarantine.filter(pl.col("user_id") == u))
     future = checks.no_future_citations(out.states, mems)
     return dg.MaterializeResult(
         check_results=[dg.AssetCheckResult(check_name="no_citation_after_as_of", passed=future.passed,

@@ -99,10 +99,7 @@ def write_users(
         t = turns_by_user.get(u, empty_turns)
         qq = q_by_user.get(u, empty_q)
         layout.write_user_table("turns", u, t)
-        if qq.height:
-            layout.write_user_table("quarantine", u, qq)
-        else:  # no bad rows now: a stale quarantine partition from an earlier run must go
-            layout.remove_user_table("quarantine", u)
+        layout.write_or_remove_user_table("quarantine", u, qq)
         fp = fps.get(u, hashlib.sha256(b"").hexdigest())
         layout.write_user_table(
             "fingerprints",

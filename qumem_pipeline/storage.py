@@ -60,6 +60,13 @@ class DataLayout:
             raise
         return target
 
+    def write_or_remove_user_table(self, table: str, user_id: str, df: pl.DataFrame) -> None:
+        """For sparse tables (quarantines, query states): rows -> write; none -> drop a stale partition."""
+        if df.height:
+            self.write_user_table(table, user_id, df)
+        else:
+            self.remove_user_table(table, user_id)
+
     def remove_user_table(self, table: str, user_id: str) -> bool:
         """Drop one user's partition of `table` (e.g. their quarantine is now empty)."""
         path = self.user_file(table, user_id)
