@@ -53,7 +53,7 @@ def query_states(
     progress = ProgressLogger(context.log, "query-state stages")
     out = infer_user_states(
         queries, llm.backend, retriever, strategy=pipeline.query_strategy, k=pipeline.retrieval_k,
-        respond=pipeline.respond, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens,
+        respond=pipeline.respond, created_at=datetime.now(timezone.utc),
         progress=lambda stage, done, total: progress(done, total) or context.log.info(f"stage done: {stage}"),
     )
     for u in users:

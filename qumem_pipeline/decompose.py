@@ -41,19 +41,17 @@ SYSTEM_PROMPT = (
 TYPE_INSTRUCTIONS = {
     "fact": (
         "Task: extract FACTUAL memories. Factual memories record concrete user experiences, behaviors, "
-        "activities, states, or events, without inferring broader tendencies. "
-        "Example: 'The user joined a swimming club.'"
+        "activities, states, or events, without inferring broader tendencies."
     ),
     "preference": (
         "Task: extract PREFERENCE memories. Preference memories record the user's choices, tendencies, "
         "requirements, and constraints concerning specific objects or contexts, together with directly "
-        "associated rationales. Example: 'The user prefers swimming classes with a supportive environment.'"
+        "associated rationales."
     ),
     "insight": (
         "Task: extract TRANSFERABLE INSIGHT memories. Transferable insights abstract user-specific decision "
         "principles from concrete choices, feedback, and their rationales; they can be applied to new "
-        "objects or contexts but must stay grounded in the episode's evidence. "
-        "Example: 'The user tends to choose low-pressure exercise environments.'"
+        "objects or contexts but must stay grounded in the episode's evidence."
     ),
 }
 OUTPUT_INSTRUCTION = (

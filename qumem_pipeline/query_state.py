@@ -24,11 +24,12 @@ from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.versions import CODE_VERSION
 
 STRATEGIES = ("qumem", "topk")
-MAX_NEEDS = 4
-MAX_PLAN_QUERIES = 4
+MAX_NEEDS = 3
+MAX_PLAN_QUERIES = 3
 # Output budgets per stage: small models fill every string to its maxLength, so the schema
 # bounds are what keep a stage's cost predictable.
-A1_MAX_TOKENS, A2_MAX_TOKENS, A3_MAX_TOKENS, RESPONSE_MAX_TOKENS = 192, 192, 384, 256
+# Each budget covers the largest output its schema allows, so a valid answer is never cut off.
+A1_MAX_TOKENS, A2_MAX_TOKENS, A3_MAX_TOKENS, RESPONSE_MAX_TOKENS = 320, 256, 768, 320
 
 A1_SYSTEM = (
     "You are the information-need agent of a personal assistant's memory system. Given the user's "
@@ -57,7 +58,7 @@ RESPONSE_SYSTEM = (
     "You are a personal assistant. Answer the user's query using the inferred user state. Be concise."
 )
 
-_ID_LIST = {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 5}
+_ID_LIST = {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}
 A1_SCHEMA = {
     "type": "object",
     "properties": {
@@ -66,7 +67,7 @@ A1_SCHEMA = {
             "maxItems": MAX_NEEDS,
             "items": {
                 "type": "object",
-                "properties": {"need": {"type": "string", "maxLength": 160}, "why": {"type": "string", "maxLength": 160}},
+                "properties": {"need": {"type": "string", "maxLength": 100}, "why": {"type": "string", "maxLength": 100}},
                 "required": ["need", "why"],
                 "additionalProperties": False,
             },
@@ -84,7 +85,7 @@ A2_SCHEMA = {
             "items": {
                 "type": "object",
                 "properties": {
-                    "query": {"type": "string", "maxLength": 160},
+                    "query": {"type": "string", "maxLength": 120},
                     "stores": {"type": "array", "items": {"type": "string", "enum": list(MEMORY_TYPES)}, "maxItems": 3},
                 },
                 "required": ["query", "stores"],
@@ -100,24 +101,24 @@ A3_SCHEMA = {
     "properties": {
         "facts": {
             "type": "array",
-            "maxItems": 5,
+            "maxItems": 3,
             "items": {
                 "type": "object",
-                "properties": {"statement": {"type": "string", "maxLength": 200}, "memory_ids": _ID_LIST},
+                "properties": {"statement": {"type": "string", "maxLength": 120}, "memory_ids": _ID_LIST},
                 "required": ["statement", "memory_ids"],
                 "additionalProperties": False,
             },
         },
         "preference_trajectory": {
             "type": "array",
-            "maxItems": 3,
+            "maxItems": 2,
             "items": {
                 "type": "object",
                 "properties": {
-                    "aspect": {"type": "string", "maxLength": 80},
-                    "earlier": {"type": "string", "maxLength": 160},
-                    "current": {"type": "string", "maxLength": 160},
-                    "applies_now_because": {"type": "string", "maxLength": 160},
+                    "aspect": {"type": "string", "maxLength": 60},
+                    "earlier": {"type": "string", "maxLength": 100},
+                    "current": {"type": "string", "maxLength": 100},
+                    "applies_now_because": {"type": "string", "maxLength": 100},
                     "memory_ids": _ID_LIST,
                 },
                 "required": ["aspect", "earlier", "current", "applies_now_because", "memory_ids"],
@@ -126,10 +127,10 @@ A3_SCHEMA = {
         },
         "insights": {
             "type": "array",
-            "maxItems": 3,
+            "maxItems": 2,
             "items": {
                 "type": "object",
-                "properties": {"insight": {"type": "string", "maxLength": 200}, "memory_ids": _ID_LIST},
+                "properties": {"insight": {"type": "string", "maxLength": 120}, "memory_ids": _ID_LIST},
                 "required": ["insight", "memory_ids"],
                 "additionalProperties": False,
             },
@@ -309,7 +310,6 @@ def infer_user_states(
     k: int = 5,
     respond: bool = False,
     created_at: datetime | None = None,
-    max_tokens: int = 384,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> StateOutput:
     if strategy not in STRATEGIES:
@@ -335,7 +335,7 @@ def infer_user_states(
         a1 = _generate_with_retry(llm, [
             ChatRequest(f"{q.query_id}/a1", [{"role": "system", "content": A1_SYSTEM},
                                              {"role": "user", "content": _user_msg(q, 'Return {"needs": [{"need": "...", "why": "..."}]}.')}],
-                        A1_SCHEMA, min(max_tokens, A1_MAX_TOKENS), "information_needs")
+                        A1_SCHEMA, A1_MAX_TOKENS, "information_needs")
             for q in queries
         ])
         for i, r in enumerate(a1):
@@ -353,7 +353,7 @@ def infer_user_states(
                      q,
                      "Information needs:\n" + ("\n".join(f"- {d.get('need', '')} (why: {d.get('why', '')})" for d in needs[i]) or "- (none listed)")
                      + '\n\nReturn {"queries": [{"query": "...", "stores": ["fact"|"preference"|"insight", ...]}]}.')}],
-                A2_SCHEMA, min(max_tokens, A2_MAX_TOKENS), "retrieval_plan")
+                A2_SCHEMA, A2_MAX_TOKENS, "retrieval_plan")
             for i, q in enumerate(queries)
         ])
         for i, r in enumerate(a2):
@@ -379,7 +379,7 @@ def infer_user_states(
         ChatRequest(f"{q.query_id}/a3",
                     [{"role": "system", "content": A3_SYSTEM},
                      {"role": "user", "content": _user_msg(q, _render_candidates(candidates[i]) + "\n\nReturn the user state as JSON.")}],
-                    A3_SCHEMA, min(max_tokens, A3_MAX_TOKENS), "user_state")
+                    A3_SCHEMA, A3_MAX_TOKENS, "user_state")
         for i, q in enumerate(queries)
     ])
     states: list[dict | None] = [None] * n
@@ -402,7 +402,7 @@ def infer_user_states(
             ChatRequest(f"{queries[i].query_id}/psi",
                         [{"role": "system", "content": RESPONSE_SYSTEM},
                          {"role": "user", "content": _user_msg(queries[i], "Inferred user state: " + json.dumps(states[i]) + '\n\nReturn {"answer": "..."}.')}],
-                        RESPONSE_SCHEMA, min(max_tokens, RESPONSE_MAX_TOKENS), "response")
+                        RESPONSE_SCHEMA, RESPONSE_MAX_TOKENS, "response")
             for i in todo
         ])
         for i, r in zip(todo, rr):
