@@ -3,8 +3,8 @@
 
     python bench/decompose_cost.py [--data PATH] [--sample-episodes 4] [--json]
 
-Episodes: LoCoMo session boundaries (one episode per session; the pipeline's classifier-built
-episodes are longer or shorter, see `--episodes`). Each conversation is decomposed once, from
+Episodes: the pipeline's own (continuity classifier; `--episodes sessions` for one per LoCoMo
+session). Each conversation is decomposed once, from
 speaker_a's side (the pipeline runs it once per participant: same calls per 100 turns).
 
 Counts: prompt tokens are exact (the chat template rendered and tokenized with the model's own
@@ -102,6 +102,35 @@ def cost(rows: list[dict], completion_per_call: float) -> dict:
     }
 
 
+def classifier_episodes(path: Path) -> list[dict]:
+    """The pipeline's own episodes: LoCoMo import -> validation -> continuity classifier (speaker_a users)."""
+    import polars as pl
+
+    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes import build_episodes_for_users
+    from qumem_pipeline.importers.locomo import import_locomo
+    from qumem_pipeline.validate import validate
+
+    turns = validate(import_locomo(str(path))).turns
+    data = json.loads(path.read_text(encoding="utf-8"))
+    users = {}
+    for sample in data:  # one user per conversation (speaker_a), as with session episodes
+        uid = next(u for u in turns["user_id"].unique().to_list()
+                   if u.startswith(f"{sample['sample_id']}-") and
+                   turns.filter((pl.col("user_id") == u) & (pl.col("role") == "user"))["speaker"].head(1).to_list()
+                   == [sample["conversation"].get("speaker_a")])
+        users[uid] = turns.filter(pl.col("user_id") == uid)
+    clf = ContinuityClassifier.load()
+    by_user, _ = build_episodes_for_users(users, clf.predict_same_proba, threshold=clf.threshold,
+                                          classifier_version=clf.version)
+    out = []
+    for uid, eps in by_user.items():
+        rows = {r["turn_index"]: r for r in users[uid].iter_rows(named=True)}
+        for e in eps.iter_rows(named=True):
+            out.append({"user_id": uid, "episode_id": e["episode_id"], "turns": [rows[t] for t in e["turn_ids"]]})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
@@ -109,6 +138,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--no-throughput", action="store_true", help="skip the batched vs one-at-a-time comparison")
+    ap.add_argument("--episodes", choices=["sessions", "classifier"], default="classifier",
+                    help="episode boundaries: the pipeline's continuity classifier (default) or LoCoMo sessions")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -121,7 +152,7 @@ def main() -> int:
     t0 = time.perf_counter()
     backend = make_backend("local", batch_size=args.batch_size)
     load_s = time.perf_counter() - t0
-    episodes = locomo_episodes(data)
+    episodes = classifier_episodes(data) if args.episodes == "classifier" else locomo_episodes(data)
     rows = prompt_stats(episodes, backend.tokenizer)
 
     n_sample = len(episodes) if args.sample_episodes == "all" else min(int(args.sample_episodes), len(episodes))
@@ -158,7 +189,7 @@ def main() -> int:
     first = cost(rows[:1], statistics.fmean(completion[:3]) if completion else 0.0)
     result = {
         "data": data.name,
-        "episodes_from": "LoCoMo session boundaries",
+        "episodes_from": "continuity classifier" if args.episodes == "classifier" else "LoCoMo session boundaries",
         "model": backend.model_name,
         "tokenizer": backend.model_dir,
         "sample_episodes": n_sample,
@@ -172,7 +203,7 @@ def main() -> int:
         "mem0_first_session": MEM0,
     }
 
-    print(f"LoCoMo {data.name}: {full['episodes']} episodes (session boundaries), {full['turns']} turns; "
+    print(f"LoCoMo {data.name}: {full['episodes']} episodes ({result['episodes_from']}), {full['turns']} turns; "
           f"tokenizer {backend.model_name}; completion tokens measured on {n_sample} episodes "
           f"({len(completion)} calls, {ok} ok, {completion_per_call:.1f}/call) and projected")
     hdr = f"{'':34}{'calls/100 turns':>16}{'prompt tok/turn':>16}{'compl tok/turn':>15}{'tokens/turn':>12}{'prefill/turn':>13}"
@@ -182,7 +213,7 @@ def main() -> int:
         print(f"{name:34}{fmt(c):>16}{fmt(p):>16}{fmt(o):>15}{fmt(tot):>12}{fmt(pf):>13}")
     line("this pipeline, dev file", full["calls_per_100_turns"], full["prompt_tokens_per_turn"], full["completion_tokens_per_turn"],
          full["tokens_per_turn"], full["computed_prefill_tokens_per_turn"])
-    line("this pipeline, first session", first["calls_per_100_turns"], first["prompt_tokens_per_turn"], first["completion_tokens_per_turn"],
+    line("this pipeline, first episode", first["calls_per_100_turns"], first["prompt_tokens_per_turn"], first["completion_tokens_per_turn"],
          first["tokens_per_turn"], first["computed_prefill_tokens_per_turn"])
     line("QUMem paper (PersonaMem, Tab. 4)", PAPER["calls_per_100_turns"], "-", "-", PAPER["tokens_per_turn"], "-")
     line("mem0 2.2.1, first session", MEM0["calls_per_100_turns"], MEM0["prompt_tokens_per_turn"], MEM0["completion_tokens_per_turn"],
