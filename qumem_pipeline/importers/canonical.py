@@ -79,13 +79,16 @@ def import_jsonl_file(path: Path) -> ImportResult:
         return _import_jsonl_lines(path, data)
 
 
-_BLANK_LINE = re.compile(rb"(?:^|\n)[ \t\r]*(?:\n|$)")
+_BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")  # literal-led: re's fast scan for "\n" applies
 
 
 def _nonblank_line_numbers(data: bytes) -> list[int]:
     """1-based line numbers of the non-blank lines (what read_ndjson returns rows for)."""
-    n_lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-    if not _BLANK_LINE.search(data.rstrip(b"\n") if data.endswith(b"\n") else data):
+    body = data[:-1] if data.endswith(b"\n") else data
+    n_lines = body.count(b"\n") + 1 if body else 0
+    first_blank = body[:1] in (b"\n", b"\r", b" ", b"\t") and not body.split(b"\n", 1)[0].strip()
+    last_blank = bool(body) and not body.rsplit(b"\n", 1)[-1].strip()
+    if not (first_blank or last_blank or _BLANK_LINE.search(body)):
         return list(range(1, n_lines + 1))
     return [i + 1 for i, line in enumerate(data.split(b"\n")) if line.strip()]
 
