@@ -1,5 +1,6 @@
 import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# A short episode (turns 4-6) shared by the real-model LLM tests.
+SWIM_EPISODE = {
+    "user_id": "alice",
+    "episode_id": "alice-e0",
+    "turns": [
+        {"turn_index": 4, "role": "user", "speaker": "Alice", "text": "I just joined a swimming club near my office.",
+         "timestamp": datetime(2024, 1, 1, 9, 0, tzinfo=timezone.utc)},
+        {"turn_index": 5, "role": "assistant", "speaker": None, "text": "Nice! What made you pick it?",
+         "timestamp": datetime(2024, 1, 1, 9, 1, tzinfo=timezone.utc)},
+        {"turn_index": 6, "role": "user", "speaker": "Alice",
+         "text": "The coaches are supportive and nobody pushes you to compete. I avoid stressful gyms.",
+         "timestamp": datetime(2024, 1, 1, 9, 2, tzinfo=timezone.utc)},
+    ],
+}
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

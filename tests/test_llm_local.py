@@ -10,22 +10,10 @@ import pytest
 from qumem_pipeline.decompose import MEMORY_SCHEMA, decompose_episodes, memory_schema
 from qumem_pipeline.llm import ChatRequest, make_backend
 from qumem_pipeline.llm.model_store import DEFAULT_MODEL, cache_dir, sha256_file
+from tests.conftest import SWIM_EPISODE as EPISODE
 
 pytestmark = pytest.mark.slow
 
-EPISODE = {
-    "user_id": "alice",
-    "episode_id": "alice-e0",
-    "turns": [
-        {"turn_index": 4, "role": "user", "speaker": "Alice", "text": "I just joined a swimming club near my office.",
-         "timestamp": datetime(2024, 1, 1, 9, 0, tzinfo=timezone.utc)},
-        {"turn_index": 5, "role": "assistant", "speaker": None, "text": "Nice! What made you pick it?",
-         "timestamp": datetime(2024, 1, 1, 9, 1, tzinfo=timezone.utc)},
-        {"turn_index": 6, "role": "user", "speaker": "Alice",
-         "text": "The coaches are supportive and nobody pushes you to compete. I avoid stressful gyms.",
-         "timestamp": datetime(2024, 1, 1, 9, 2, tzinfo=timezone.utc)},
-    ],
-}
 
 
 @pytest.fixture(scope="module")

@@ -16,24 +16,12 @@ import pytest
 
 from qumem_pipeline.decompose import MEMORY_SCHEMA, decompose_episodes
 from qumem_pipeline.llm import make_backend
+from tests.conftest import SWIM_EPISODE as EPISODE
 
 pytestmark = pytest.mark.slow
 
 VLLM_PYTHON = os.environ.get("QUMEM_VLLM_PYTHON", "")
 
-EPISODE = {
-    "user_id": "alice",
-    "episode_id": "alice-e0",
-    "turns": [
-        {"turn_index": 4, "role": "user", "speaker": "Alice", "text": "I just joined a swimming club near my office.",
-         "timestamp": datetime(2024, 1, 1, 9, 0, tzinfo=timezone.utc)},
-        {"turn_index": 5, "role": "assistant", "speaker": None, "text": "Nice! What made you pick it?",
-         "timestamp": datetime(2024, 1, 1, 9, 1, tzinfo=timezone.utc)},
-        {"turn_index": 6, "role": "user", "speaker": "Alice",
-         "text": "The coaches are supportive and nobody pushes you to compete. I avoid stressful gyms.",
-         "timestamp": datetime(2024, 1, 1, 9, 2, tzinfo=timezone.utc)},
-    ],
-}
 
 
 @pytest.mark.skipif(
