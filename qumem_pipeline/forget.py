@@ -1,7 +1,7 @@
 """Forgetting a user: remove them from every table, index and the warehouse, and keep them out.
 
 The archive a user came from usually still exists (it is the source system's data), so a
-forgotten user would reappear at the next discovery. The registry keeps a salted-free
+forgotten user would reappear at the next discovery. The registry keeps an unsalted
 sha256 of each forgotten id (not the id itself) and ingest/discovery skip matching users.
 """
 
