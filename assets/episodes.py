@@ -4,6 +4,7 @@ import dagster as dg
 import polars as pl
 
 from assets.ingest import turns
+from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from qumem_pipeline import checks
@@ -60,10 +61,8 @@ def episodes(
     )
     return dg.MaterializeResult(
         check_results=[
-            dg.AssetCheckResult(check_name="every_turn_in_one_nonempty_episode", passed=coverage.passed,
-                                description=coverage.description, metadata=coverage.metadata),
-            dg.AssetCheckResult(check_name="schema_conforms", passed=schema_ok.passed,
-                                description=schema_ok.description, metadata=schema_ok.metadata),
+            check_result("every_turn_in_one_nonempty_episode", coverage),
+            check_result("schema_conforms", schema_ok),
         ],
         metadata={
             "users": stats.users,

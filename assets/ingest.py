@@ -2,6 +2,7 @@ import time
 
 import dagster as dg
 
+from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from qumem_pipeline import checks
@@ -42,10 +43,8 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
     ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
     return dg.MaterializeResult(
         check_results=[
-            dg.AssetCheckResult(check_name="schema_conforms", passed=schema_ok.passed,
-                                description=schema_ok.description, metadata=schema_ok.metadata),
-            dg.AssetCheckResult(check_name="quarantine_under_ceiling", passed=ceiling.passed,
-                                description=ceiling.description, metadata=ceiling.metadata),
+            check_result("schema_conforms", schema_ok),
+            check_result("quarantine_under_ceiling", ceiling),
         ],
         metadata={
             "users": len(users),

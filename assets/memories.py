@@ -5,6 +5,7 @@ import dagster as dg
 import polars as pl
 
 from assets.episodes import episodes
+from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline import checks
 from qumem_pipeline.decompose import PROMPT_VERSION, decompose_episodes
@@ -60,8 +61,7 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     s = out.summary
     by_type = dict(out.memories.group_by("type").len().rows()) if out.memories.height else {}
     return dg.MaterializeResult(
-        check_results=[dg.AssetCheckResult(check_name="evidence_inside_episode", passed=evidence.passed,
-                                           description=evidence.description, metadata=evidence.metadata)],
+        check_results=[check_result("evidence_inside_episode", evidence)],
         metadata={
             "users": len(users),
             "episodes": len(inputs),

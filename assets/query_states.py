@@ -5,6 +5,7 @@ import dagster as dg
 import polars as pl
 
 from assets.ingest import turns
+from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from assets.retrieval import memory_indexes
@@ -61,8 +62,7 @@ def query_states(
         layout.write_or_remove_user_table("query_quarantine", u, out.quarantine.filter(pl.col("user_id") == u))
     future = checks.no_future_citations(out.states, mems)
     return dg.MaterializeResult(
-        check_results=[dg.AssetCheckResult(check_name="no_citation_after_as_of", passed=future.passed,
-                                           description=future.description, metadata=future.metadata)],
+        check_results=[check_result("no_citation_after_as_of", future)],
         metadata={
             "queries": len(queries), "dagster/row_count": out.states.height, "strategy": pipeline.query_strategy,
             "input_rows_quarantined": bad.height, **{k: v for k, v in out.stats.items() if isinstance(v, (int, float))},
