@@ -62,7 +62,8 @@ def run_job(instance, defs, job_name: str, users: list[str], per_run: int) -> li
     """Run `job_name` over `users` in contiguous partition ranges of at most `per_run` users."""
     from assets.partitions import users_partitions
 
-    ordered = [k for k in instance.get_dynamic_partitions(users_partitions.name) if k in set(users)]
+    wanted = set(users)
+    ordered = [k for k in instance.get_dynamic_partitions(users_partitions.name) if k in wanted]
     job = defs.resolve_job_def(job_name)
     run_ids = []
     keys = instance.get_dynamic_partitions(users_partitions.name)

@@ -23,7 +23,7 @@ from typing import Any
 
 import polars as pl
 
-from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
+from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.versions import CODE_VERSION
 
 MEMORY_TYPES = ("fact", "preference", "insight")

@@ -17,6 +17,14 @@ def is_valid_user_id(value: object) -> bool:
     )
 
 
+def valid_user_id_expr(col: str = "user_id"):
+    """The same rule as is_valid_user_id, as a polars expression (null -> False), for whole columns."""
+    import polars as pl
+
+    c = pl.col(col)
+    return (c.str.contains(USER_ID_PATTERN.pattern) & ~c.str.contains("..", literal=True)).fill_null(False)
+
+
 def validate_user_id(value: object) -> str:
     """Return the id unchanged, or raise InvalidUserId naming what is wrong with it."""
     if not is_valid_user_id(value):

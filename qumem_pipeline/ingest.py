@@ -8,12 +8,11 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 import polars as pl
 
 from qumem_pipeline.forget import ForgetRegistry
-from qumem_pipeline.ids import is_valid_user_id
+from qumem_pipeline.ids import valid_user_id_expr
 from qumem_pipeline.importers.base import ImportResult
 from qumem_pipeline.schema import UNATTRIBUTED
 from qumem_pipeline.storage import DataLayout
@@ -51,12 +50,12 @@ def load_archive(cfg: ArchiveConfig, forgotten: ForgetRegistry | None = None) ->
     """Import and validate the whole archive; forgotten users' rows never get past this point."""
     result = validate(import_archive(cfg), max_text_chars=cfg.max_text_chars, strict=cfg.strict)
     if forgotten is not None and len(forgotten):
-        keep_t = ~pl.col("user_id").map_elements(forgotten.contains, return_dtype=pl.Boolean)
+        # Test each distinct user once, not each row.
+        gone = [u for u in result.turns["user_id"].unique().to_list() + result.quarantine["user_id"].drop_nulls().unique().to_list()
+                if forgotten.contains(u)]
         result = ValidationResult(
-            turns=result.turns.filter(keep_t),
-            quarantine=result.quarantine.filter(
-                pl.col("user_id").is_null() | ~pl.col("user_id").map_elements(forgotten.contains, return_dtype=pl.Boolean)
-            ),
+            turns=result.turns.filter(~pl.col("user_id").is_in(gone)),
+            quarantine=result.quarantine.filter(pl.col("user_id").is_null() | ~pl.col("user_id").is_in(gone)),
         )
     return result
 
@@ -90,7 +89,7 @@ def write_users(
     """Write turns, quarantine and fingerprint partitions for each of `user_ids`."""
     turns_by_user = {k[0]: v for k, v in result.turns.partition_by("user_id", as_dict=True).items()} if result.turns.height else {}
     q = result.quarantine.with_columns(
-        _key=pl.col("user_id").map_elements(lambda u: u if is_valid_user_id(u) else UNATTRIBUTED, return_dtype=pl.String)
+        _key=pl.when(valid_user_id_expr()).then(pl.col("user_id")).otherwise(pl.lit(UNATTRIBUTED))
     )
     q_by_user = {k[0]: v.drop("_key") for k, v in q.partition_by("_key", as_dict=True).items()} if q.height else {}
     empty_turns = result.turns.clear()
@@ -125,18 +124,7 @@ def write_users(
 def write_unattributed_quarantine(layout: DataLayout, result: ValidationResult) -> int:
     """Rows with no usable user id cannot live under a user: keep them in their own partition."""
     q = result.quarantine.filter(
-        pl.col("user_id").map_elements(lambda u: not is_valid_user_id(u), return_dtype=pl.Boolean, skip_nulls=False)
+        ~valid_user_id_expr()
     )
     layout.write_user_table("quarantine", UNATTRIBUTED, q)
     return q.height
-
-
-def recorded_fingerprints(layout: DataLayout) -> dict[str, str]:
-    df = layout.read_table("fingerprints")
-    if df is None or df.height == 0:
-        return {}
-    return dict(zip(df["user_id"].to_list(), df["fingerprint"].to_list()))
-
-
-def now_utc() -> datetime:
-    return datetime.now(timezone.utc)

@@ -11,9 +11,9 @@ from datetime import datetime, timedelta, timezone
 
 import polars as pl
 
-from qumem_pipeline.ids import USER_ID_PATTERN
+from qumem_pipeline.ids import USER_ID_PATTERN, valid_user_id_expr
 from qumem_pipeline.importers.base import ImportResult, ParseFailure
-from qumem_pipeline.schema import QUARANTINE_SCHEMA, ROLES, TURN_SCHEMA, UNATTRIBUTED
+from qumem_pipeline.schema import QUARANTINE_SCHEMA, ROLES, TURN_SCHEMA
 from qumem_pipeline.versions import CODE_VERSION
 
 DEFAULT_MAX_TEXT_CHARS = 100_000
@@ -96,7 +96,7 @@ def validate(
     now = now or datetime.now(timezone.utc)
     raw = with_parsed_timestamps(imported.raw.with_row_index("_pos"))
     uid = pl.col("user_id")
-    valid_uid = uid.str.contains(USER_ID_PATTERN.pattern) & ~uid.str.contains("..", literal=True)
+    valid_uid = valid_user_id_expr()
     text_len = pl.col("text").str.len_chars()
     ts = pl.col("_ts")
     checks = [  # (field, failed?, reason) - the first failing check names the row's problem
@@ -206,10 +206,3 @@ def _finalise_turns(good: pl.DataFrame) -> pl.DataFrame:
         source_file=pl.col("source_file"),
         code_version=pl.lit(CODE_VERSION),
     ).cast(dict(TURN_POLARS_SCHEMA))
-
-
-def quarantine_user_key(user_id: str | None) -> str:
-    """Where a quarantined row is stored: under its user when the id is valid, else unattributed."""
-    from qumem_pipeline.ids import is_valid_user_id
-
-    return user_id if is_valid_user_id(user_id) else UNATTRIBUTED

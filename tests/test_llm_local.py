@@ -1,15 +1,13 @@
 """The embedded default backend with the real small model (slow: loads ~135M params on CPU)."""
 
-import os
 from datetime import datetime, timezone
 
 import jsonschema
-import polars as pl
 import pytest
 
 from qumem_pipeline.decompose import MEMORY_SCHEMA, decompose_episodes, memory_schema
 from qumem_pipeline.llm import ChatRequest, make_backend
-from qumem_pipeline.llm.model_store import DEFAULT_MODEL, cache_dir, sha256_file
+from qumem_pipeline.llm.model_store import DEFAULT_MODEL, cache_dir
 from tests.conftest import SWIM_EPISODE as EPISODE
 
 pytestmark = pytest.mark.slow

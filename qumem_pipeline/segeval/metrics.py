@@ -34,34 +34,26 @@ def _effective_k(n_gaps: int, k: int) -> int:
     return max(1, min(k, n_gaps))
 
 
-def pk(ref: Sequence[int], hyp: Sequence[int], k: int) -> float:
-    """Pk on two gap strings of equal length (nltk definition). Needs ``len(ref) >= 1``."""
+def _windows(ref: Sequence[int], hyp: Sequence[int], k: int, metric: str):
+    """The k-wide windows both metrics slide over two gap strings of equal length."""
     if len(ref) != len(hyp):
         raise ValueError(f"length mismatch: {len(ref)} vs {len(hyp)}")
     if len(ref) == 0:
-        raise ValueError("Pk is undefined for a dialogue with fewer than 2 utterances")
+        raise ValueError(f"{metric} is undefined for a dialogue with fewer than 2 utterances")
     k = _effective_k(len(ref), k)
-    n_windows = len(ref) - k + 1
-    err = 0
-    for i in range(n_windows):
-        r = any(ref[i : i + k])
-        h = any(hyp[i : i + k])
-        err += r != h
-    return err / n_windows
+    return [(ref[i : i + k], hyp[i : i + k]) for i in range(len(ref) - k + 1)]
+
+
+def pk(ref: Sequence[int], hyp: Sequence[int], k: int) -> float:
+    """Pk on two gap strings of equal length (nltk definition). Needs ``len(ref) >= 1``."""
+    wins = _windows(ref, hyp, k, "Pk")
+    return sum(any(r) != any(h) for r, h in wins) / len(wins)
 
 
 def windowdiff(ref: Sequence[int], hyp: Sequence[int], k: int) -> float:
     """Unweighted WindowDiff on two gap strings of equal length (nltk definition)."""
-    if len(ref) != len(hyp):
-        raise ValueError(f"length mismatch: {len(ref)} vs {len(hyp)}")
-    if len(ref) == 0:
-        raise ValueError("WindowDiff is undefined for a dialogue with fewer than 2 utterances")
-    k = _effective_k(len(ref), k)
-    n_windows = len(ref) - k + 1
-    err = 0
-    for i in range(n_windows):
-        err += sum(ref[i : i + k]) != sum(hyp[i : i + k])
-    return err / n_windows
+    wins = _windows(ref, hyp, k, "WindowDiff")
+    return sum(sum(r) != sum(h) for r, h in wins) / len(wins)
 
 
 @dataclass
