@@ -74,9 +74,21 @@ def import_jsonl_file(path: Path) -> ImportResult:
         nonblank = _nonblank_line_numbers(data)
         if len(nonblank) != df.height:
             raise ValueError("row count mismatch; re-read line by line")
+        if df.select(_maybe_coerced_structure().any()).item():
+            raise ValueError("a JSON object/array/boolean may have been turned into text; re-read line by line")
         return ImportResult(raw=_with_source(df, str(path), nonblank))
     except Exception:  # noqa: BLE001 - any fast-path failure means: find the bad lines one by one
         return _import_jsonl_lines(path, data)
+
+
+def _maybe_coerced_structure() -> pl.Expr:
+    """read_ndjson turns objects, arrays and booleans in a String column into text ('{"a": 1}',
+    'true'); the line-by-line path rejects them. Any value that could be such text sends the
+    file down that path, so both paths classify every line the same way."""
+    return pl.any_horizontal(
+        [pl.col(c).str.starts_with("{") | pl.col(c).str.starts_with("[") | pl.col(c).is_in(["true", "false"])
+         for c in STRING_FIELDS]
+    ).fill_null(False)
 
 
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")  # literal-led: re's fast scan for "\n" applies
@@ -158,8 +170,12 @@ def coerce_record(obj: dict) -> tuple[dict, tuple[str, str] | None]:
 
 
 def import_parquet_file(path: Path) -> ImportResult:
-    df = pl.read_parquet(path)
     src = str(path)
+    try:
+        df = pl.read_parquet(path)
+    except (pl.exceptions.PolarsError, OSError) as e:  # not Parquet, truncated, empty: one failure for the file
+        reason = f"not a readable Parquet file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        return ImportResult(raw=empty_raw_frame(), failures=[ParseFailure(src, None, "(file)", reason, None)])
     cols = []
     for name, dtype in SOURCE_COLUMNS.items():
         if name not in df.columns:
