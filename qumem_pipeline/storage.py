@@ -7,6 +7,7 @@ rerun simply overwrites. Every per-user artifact (tables, index files) lives und
 """
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,29 @@ TMP_PREFIX = ".tmp-"
 # Renames are atomic against process crashes without fsync; QUMEM_FSYNC=1 also survives power
 # loss (costs ~2 ms per file here). Every stage is idempotent, so a rerun repairs either way.
 FSYNC = os.environ.get("QUMEM_FSYNC", "0") == "1"
+_TMP_PID = re.compile(re.escape(TMP_PREFIX) + r"(\d+)-")
+
+
+def temp_prefix() -> str:
+    """Temp names carry the writer's pid, so cleanup removes only files whose writer is gone
+    (a concurrent run's in-flight temp file is not an orphan)."""
+    return f"{TMP_PREFIX}{os.getpid()}-"
+
+
+def _writer_alive(name: str) -> bool:
+    m = _TMP_PID.match(name)
+    if m is None:
+        return False  # no pid in the name: left by an older version, an orphan
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class DataLayout:
@@ -47,7 +71,7 @@ class DataLayout:
         """Atomically replace one user's partition of `table` (an empty frame is written too)."""
         target = self.user_file(table, user_id)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".parquet", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=".parquet", dir=target.parent)
         os.close(fd)
         try:
             pq.write_table(df.to_arrow(), tmp, compression="zstd")
@@ -118,10 +142,14 @@ class DataLayout:
         return removed
 
     def clean_temp_files(self) -> int:
-        """Remove temp files a killed writer left behind; safe because targets are only ever renamed into."""
+        """Remove temp files a killed writer left behind; safe because targets are only ever renamed into.
+
+        Files of a live writer (another run in progress, named by its pid) are left alone."""
         n = 0
         if self.root.exists():
             for p in self.root.rglob(f"{TMP_PREFIX}*"):
+                if _writer_alive(p.name):
+                    continue
                 p.unlink(missing_ok=True)
                 n += 1
         return n

@@ -38,7 +38,7 @@ import numpy as np
 import polars as pl
 
 from qumem_pipeline.embeddings import embeddings_matrix
-from qumem_pipeline.storage import DataLayout
+from qumem_pipeline.storage import DataLayout, temp_prefix
 
 MEMORY_TYPES = ("fact", "preference", "insight")
 TYPE_ALIASES = {"f": "fact", "fact": "fact", "facts": "fact", "factual": "fact",
@@ -229,7 +229,7 @@ def index_path(layout: DataLayout, user_id: str, mem_type: str) -> Path:
 
 def _write_index_atomic(index: faiss.Index, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".faiss", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=".faiss", dir=target.parent)
     os.close(fd)
     try:
         faiss.write_index(index, tmp)
