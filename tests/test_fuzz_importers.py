@@ -70,6 +70,7 @@ class Rec:
     valid: bool = True
     field: str | None = None  # the field quarantine must name, when the test can know it
     marker: str | None = None
+    owner: str | None = None  # the user a broken line must still be attributed to
 
 
 @st.composite
@@ -127,7 +128,10 @@ def canonical_records(draw, *, allow_raw_lines: bool) -> list[Rec]:
             rec.field = "turn_index" if first.row["turn_index"] is not None else "source_ref"
         elif kind == "truncated":
             full = json.dumps(row, ensure_ascii=False).encode()
-            rec = Rec(row=None, raw=full[: draw(st.integers(1, len(full) - 1))], valid=False, field="(line)")
+            raw = full[: draw(st.integers(1, len(full) - 1))]
+            uid_part = json.dumps({"user_id": row["user_id"]}, ensure_ascii=False)[1:-1].encode() + b","
+            rec = Rec(row=None, raw=raw, valid=False, field="(line)",
+                      owner=row["user_id"] if raw.startswith(b"{" + uid_part) else None)
         elif kind == "non_utf8":
             body = json.dumps(row, ensure_ascii=False).encode()
             cut = body.index(b'"text": "') + 9
@@ -190,6 +194,8 @@ def check_outcome(res, recs: list[Rec], line_of, source_file: str | None = None)
             assert qrow["reason"].startswith("duplicate turn id"), qrow
         if source_file is not None:
             assert qrow["source_file"] == source_file
+        if rec.owner is not None:  # forget must be able to find a user's broken lines
+            assert qrow["user_id"] == rec.owner, (rec.raw, qrow)
     # histories: explicit turn_index in ascending order first, then the rest in source order
     for uid, df in turns.group_by("user_id"):
         assert df["turn_index"].sort().to_list() == list(range(df.height))

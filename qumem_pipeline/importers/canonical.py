@@ -131,7 +131,8 @@ def _import_jsonl_lines(path: Path, data: bytes) -> ImportResult:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             failures.append(
-                ParseFailure(src, lineno, "(line)", f"invalid JSON: {e.msg} at column {e.colno}", escape_raw(text))
+                ParseFailure(src, lineno, "(line)", f"invalid JSON: {e.msg} at column {e.colno}", escape_raw(text),
+                             user_id=_salvage_user_id(line))
             )
             continue
         if not isinstance(obj, dict):
@@ -210,11 +211,22 @@ def import_parquet_file(path: Path) -> ImportResult:
     return ImportResult(raw=_with_source(out, src, rows), failures=failures)
 
 
+_USER_ID_FIELD = re.compile(r'"user_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
 def _salvage_user_id(line: bytes) -> str | None:
-    """Attribute an undecodable line to its user when the user_id itself is readable."""
+    """Attribute a broken line (bad bytes, truncated JSON) to its user when the user_id is readable.
+
+    Without this a user's broken line lands in the unattributed quarantine, where forgetting
+    the user cannot find it and every re-ingest writes it again."""
+    text = line.decode("utf-8", errors="replace")
     try:
-        obj = json.loads(line.decode("utf-8", errors="replace"))
+        obj = json.loads(text)
+        uid = obj.get("user_id") if isinstance(obj, dict) else None
     except json.JSONDecodeError:
-        return None
-    uid = obj.get("user_id") if isinstance(obj, dict) else None
+        m = _USER_ID_FIELD.search(text)
+        try:
+            uid = json.loads(f'"{m.group(1)}"') if m else None
+        except json.JSONDecodeError:
+            uid = None
     return uid if isinstance(uid, str) and "\ufffd" not in uid else None
