@@ -33,6 +33,16 @@ def run_job(defs, instance, users, job="main_job"):
     )
 
 
+def event_log_hits(instance, needle: str) -> list:
+    """Serialized Dagster event records (materialization metadata, logs, checks) that contain `needle`."""
+    hits = []
+    for run in instance.get_runs():
+        for entry in instance.all_logs(run.run_id):
+            if needle in dg.serialize_value(entry):
+                hits.append((run.job_name, entry.dagster_event_type, entry.step_key))
+    return hits
+
+
 def files_containing(root, needle: str) -> list:
     """Files holding `needle` as raw bytes, or in decoded content (Parquet and DuckDB compress text)."""
     hits = []
@@ -64,7 +74,9 @@ def pipeline_run(tmp_path_factory):
         + conversation("bob", "c2", [f"My locker code is {CANARY}, please remember it.", "Saved.",
                                      "I switched from running to swimming after my knee injury.", "Good call."],
                        start="2024-03-02T10:00:00Z")
-        + [{"user_id": "bob", "conversation_id": "c2", "role": "robot", "text": f"bad row {CANARY}"}],
+        + [{"user_id": "bob", "conversation_id": "c2", "role": "robot", "text": f"bad row {CANARY}"},
+           # a broken line of bob's: it must be attributed to him, or forget cannot find it
+           f'{{"user_id": "bob", "conversation_id": "c2", "role": "user", "text": "cut off {CANARY}'.encode()],
     )
     write_jsonl(archive / "b.jsonl", conversation("chen", "c3", ["I started learning piano.", "Nice!"], start="2024-04-01T09:00:00Z"))
     queries = write_jsonl(tmp / "queries.jsonl", [
@@ -144,7 +156,8 @@ def test_warehouse_holds_every_stage(pipeline_run):
         assert {"turns", "quarantine", "episodes", "memories", "llm_ledger"} <= tables
         assert con.execute("SELECT user_id, count(*) FROM turns GROUP BY 1 ORDER BY 1").fetchall() == [
             ("alice", 4), ("bob", 4), ("chen", 2)]
-        assert con.execute("SELECT field FROM quarantine WHERE user_id = 'bob'").fetchall() == [("role",)]
+        assert con.execute("SELECT field FROM quarantine WHERE user_id = 'bob' ORDER BY 1").fetchall() == [("(line)",), ("role",)]
+        assert con.execute("SELECT count(*) FROM quarantine WHERE user_id IS NULL").fetchone()[0] == 0
         # citations of query states resolve to memories and evidence turns of the same user
         if "query_states" in tables:
             bad = con.execute("""
@@ -152,6 +165,31 @@ def test_warehouse_holds_every_stage(pipeline_run):
                 LEFT JOIN memories m ON m.memory_id = q.mid AND m.user_id = q.user_id WHERE m.memory_id IS NULL
             """).fetchone()[0]
             assert bad == 0
+
+
+def test_no_output_of_one_user_references_another(pipeline_run):
+    """Isolation on the real embedded path (SmolLM2 memories, MiniLM embeddings, FAISS, query states)."""
+    root = pipeline_run["data_root"]
+    users = ("alice", "bob", "chen")
+    read = lambda t, u: pl.read_parquet(p) if (p := root / t / f"user_id={u}" / "part-0.parquet").exists() else None  # noqa: E731
+    mem_ids = {}
+    for u in users:
+        turn_ids = set(read("turns", u)["turn_index"])
+        mems = read("memories", u)
+        mem_ids[u] = set(mems["memory_id"]) if mems is not None else set()
+        if mems is not None:
+            assert set(mems["user_id"]) <= {u}
+            assert all(set(ev) <= turn_ids for ev in mems["evidence_turn_ids"].to_list())
+        for t in ("memory_embeddings", "index_ids"):
+            df = read(t, u)
+            assert df is None or set(df["memory_id"]) <= mem_ids[u], (t, u)
+        qs = read("query_states", u)
+        if qs is not None:
+            for row in qs.iter_rows(named=True):
+                assert {c["memory_id"] for c in row["candidates"]} <= mem_ids[u]
+                assert set(row["cited_memory_ids"]) <= mem_ids[u] and set(row["cited_turn_ids"]) <= turn_ids
+    assert sum(map(len, mem_ids.values())) > 0, "the real model produced no memories: isolation proven on nothing"
+    assert not (mem_ids["alice"] & mem_ids["bob"] or mem_ids["alice"] & mem_ids["chen"] or mem_ids["bob"] & mem_ids["chen"])
 
 
 def test_rerun_converges(pipeline_run):
@@ -203,7 +241,17 @@ def test_forget_removes_canary_everywhere_and_keeps_others(pipeline_run):
     data_root, defs, instance = pipeline_run["data_root"], pipeline_run["defs"], pipeline_run["instance"]
     hits = files_containing(data_root, CANARY)
     assert hits, "the canary must be somewhere before forgetting, or the test proves nothing"
-    assert any("warehouse.duckdb" in str(p) for p in hits) and any("turns" in str(p) for p in hits)
+    hit_dirs = {p.relative_to(data_root).parts[0] for p in hits}
+    assert {"warehouse.duckdb", "turns", "quarantine"} <= hit_dirs, hit_dirs
+    # every per-user artifact of bob exists before forgetting, so their absence afterwards means something
+    for table in ("turns", "quarantine", "fingerprints", "episodes", "memories", "llm_ledger", "memory_embeddings", "index_ids"):
+        assert (data_root / table / "user_id=bob" / "part-0.parquet").exists(), table
+    assert sorted(p.name for p in (data_root / "indexes" / "user_id=bob").iterdir()) == ["fact.faiss", "insight.faiss", "preference.faiss"]
+    assert not (data_root / "quarantine" / "user_id=__unattributed__").exists() or not files_containing(
+        data_root / "quarantine" / "user_id=__unattributed__", CANARY), "bob's broken line must be attributed to bob"
+    # user text never enters Dagster's event log (materialization metadata, check results, log lines)
+    assert event_log_hits(instance, CANARY) == []
+    assert event_log_hits(instance, "locker code") == []
     alice_before = {t: pl.read_parquet(data_root / t / "user_id=alice" / "part-0.parquet") for t in ("turns", "episodes", "memories")}
 
     with pytest.MonkeyPatch.context() as mp:
@@ -226,3 +274,4 @@ def test_forget_removes_canary_everywhere_and_keeps_others(pipeline_run):
     assert "bob" not in [r.partition_key for r in sensor_res.run_requests]
     assert run_job(defs, instance, ["alice"], job="ingest_job").success
     assert files_containing(data_root, CANARY) == []
+    assert event_log_hits(instance, CANARY) == []
