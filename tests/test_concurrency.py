@@ -67,6 +67,7 @@ def archive(tmp_path) -> Path:
 INGEST = "from qumem_pipeline.cli import main; raise SystemExit(main(['ingest', '--archive', {a!r}, '--data-root', {d!r}]))"
 
 
+@pytest.mark.slow
 def test_two_concurrent_ingest_runs_equal_a_single_run(tmp_path, archive):
     """Launched together on one Dagster home and data root, two ingests leave what one leaves."""
     single, shared = tmp_path / "single", tmp_path / "shared"

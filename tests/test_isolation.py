@@ -19,7 +19,7 @@ import pytest
 from fake_openai_server import RunningFakeServer
 from tests.conftest import write_jsonl
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 USERS = {"ann": ("Ann", "Lake Geneva", "peanuts", "Clara"), "ben": ("Ben", "Lake Como", "shellfish", "Marco")}
 PLACE = {"ann": "Geneva", "ben": "Como"}
