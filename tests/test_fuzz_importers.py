@@ -425,7 +425,7 @@ def test_fuzzed_chatgpt(tmp_path_factory, data, user_id):
     path.write_text(json.dumps(convs, ensure_ascii=False))
     res = validate(import_chatgpt(str(path), user_id=user_id), now=NOW)
     uid_ok = (  # the test's own statement of the id rule, not the code's
-        len(user_id) <= 128 and user_id[:1] in string.ascii_letters + string.digits and ".." not in user_id
+        1 <= len(user_id) <= 128 and user_id[0] in string.ascii_letters + string.digits and ".." not in user_id
         and all(ch in string.ascii_letters + string.digits + "_.-" for ch in user_id))
     q = res.quarantine
     assert res.turns.height + q.height == len(valid) + len(invalid) + n_failed
