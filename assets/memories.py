@@ -9,6 +9,7 @@ from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline import checks
 from qumem_pipeline.decompose import PROMPT_VERSION, decompose_episodes
+from qumem_pipeline.stage_versions import stage_code_versions
 from resources import PipelineConfig
 from resources.models import LLMResource
 
@@ -31,7 +32,7 @@ def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
     backfill_policy=user_backfill_policy,
     deps=[episodes],
     pool="gpu",
-    code_version=PROMPT_VERSION,
+    code_version=stage_code_versions()["memories"],  # prompt + LLM model id
     group_name="memories",
     kinds={"parquet"},
     description="Typed memories (fact / preference / insight) per episode, with evidence turn ids, "
