@@ -17,18 +17,21 @@ import dagster as dg
 
 from assets.partitions import USERS_PER_RUN, users_partitions
 from qumem_pipeline.discovery import discover
-from qumem_pipeline.incremental import contiguous_ranges, plan_rebuild
+from qumem_pipeline.incremental import contiguous_ranges, plan_rebuild, unfinished
 from resources import PipelineConfig
 
 NIGHTLY_CRON = os.environ.get("QUMEM_NIGHTLY_CRON") or "0 2 * * *"
 TURNS_KEY = dg.AssetKey("turns")
 
 
-def recorded_fingerprints(instance: dg.DagsterInstance, users: list[str]) -> dict[str, str]:
+def latest_ids(instance: dg.DagsterInstance, key: dg.AssetKey, users: list[str]) -> dict[str, int]:
+    """user -> storage id of that user's latest materialization of `key` (absent if none)."""
+    return dict(instance.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_MATERIALIZATION, set(users)))
+
+
+def recorded_fingerprints(instance: dg.DagsterInstance, users: list[str], latest: dict[str, int] | None = None) -> dict[str, str]:
     """user -> fingerprint recorded by that user's latest `turns` materialization (absent if none)."""
-    latest = instance.get_latest_storage_id_by_partition(
-        TURNS_KEY, dg.DagsterEventType.ASSET_MATERIALIZATION, set(users)
-    )
+    latest = latest_ids(instance, TURNS_KEY, users) if latest is None else latest
     if not latest:
         return {}
     out: dict[str, str] = {}
@@ -52,8 +55,14 @@ def build_nightly_schedule(
     cron: str = NIGHTLY_CRON,
     users_per_run: int = USERS_PER_RUN,
     name: str = "nightly_incremental_rebuild",
+    final_asset: str = "warehouse",
 ) -> dg.ScheduleDefinition:
-    """The schedule for `job` (any users-partitioned job that includes `turns`); off by default."""
+    """The schedule for `job` (any users-partitioned job that includes `turns`); off by default.
+
+    `final_asset` is the job's last asset: a user whose `final_asset` is older than its `turns`
+    (a run that failed part-way) is rebuilt even though its content did not change.
+    """
+    final_key = dg.AssetKey(final_asset)
 
     @dg.schedule(
         name=name,
@@ -67,10 +76,14 @@ def build_nightly_schedule(
     def _nightly(context: dg.ScheduleEvaluationContext, pipeline: PipelineConfig):
         found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
         registered = list(context.instance.get_dynamic_partitions(users_partitions.name))
-        plan = plan_rebuild(found.fingerprints, registered, recorded_fingerprints(context.instance, registered))
+        turns_ids = latest_ids(context.instance, TURNS_KEY, registered)
+        incomplete = set() if final_key == TURNS_KEY else unfinished(
+            turns_ids, latest_ids(context.instance, final_key, registered))
+        plan = plan_rebuild(found.fingerprints, registered,
+                            recorded_fingerprints(context.instance, registered, turns_ids), incomplete)
         context.log.info(
             f"nightly check: {len(found.fingerprints)} users, {len(plan.new)} new, "
-            f"{len(plan.changed)} changed, {len(plan.unchanged)} unchanged"
+            f"{len(plan.changed)} changed or unfinished ({len(incomplete)} unfinished), {len(plan.unchanged)} unchanged"
         )
         if not plan.to_rebuild:
             return dg.SkipReason(f"all {len(plan.unchanged)} users unchanged since their last materialization")

@@ -142,7 +142,8 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None) -> d
     """Fresh data root + instance; the nightly schedule plans the runs; execute each; then re-check."""
     (work / "home").mkdir(parents=True)
     pipeline = PipelineConfig(data_root=str(work / "data"), archive_path=str(archive))
-    schedule = build_nightly_schedule(job=bench_job, users_per_run=per_run, name=f"bench_nightly_{per_run}")
+    schedule = build_nightly_schedule(job=bench_job, users_per_run=per_run, name=f"bench_nightly_{per_run}",
+                                      final_asset="memory_indexes")
     defs = dg.Definitions(
         assets=BENCH_ASSETS, jobs=[bench_job], schedules=[schedule], executor=dg.in_process_executor,
         resources={"pipeline": pipeline, "continuity": ContinuityClassifierResource(device=device or ""),

@@ -2,8 +2,9 @@
 
 Pure decisions (no Dagster), so they are unit-tested on their own:
 
-* a user needs a rebuild when it is new (no partition yet), was never materialized, or its archive
-  fingerprint differs from the one recorded at its last `turns` materialization;
+* a user needs a rebuild when it is new (no partition yet), was never materialized, its archive
+  fingerprint differs from the one recorded at its last `turns` materialization, or its last run
+  stopped part-way (the job's final asset is older than its `turns`);
 * Dagster schedules can launch one partition or one contiguous partition *range* per run
   (`dagster/asset_partition_range_start|end`), so the users to rebuild are packed into maximal
   ranges of the partition order that contain only those users, each at most `max_per_run` long.
@@ -32,20 +33,30 @@ class RebuildPlan:
         return set(self.new) | set(self.changed)
 
 
+def unfinished(turns_ids: dict[str, int], final_ids: dict[str, int]) -> set[str]:
+    """Users whose final asset was last materialized before their `turns` (event-log storage ids).
+
+    A run that wrote `turns` and then failed leaves downstream assets older than the recorded
+    fingerprint; without this the next night would see "unchanged" and never finish the user.
+    """
+    return {u for u, sid in turns_ids.items() if final_ids.get(u, -1) < sid}
+
+
 def plan_rebuild(
-    current: dict[str, str], registered: list[str], recorded: dict[str, str]
+    current: dict[str, str], registered: list[str], recorded: dict[str, str], incomplete: set[str] = frozenset()
 ) -> RebuildPlan:
     """Compare archive fingerprints (`current`, full) with those recorded at the last materialization.
 
     `recorded` maps user -> recorded fingerprint (`recorded_form`); a registered user missing from it
-    was never materialized (or its run failed) and is rebuilt. Users that left the archive are not
-    touched: deleting data is `qumem forget`'s job.
+    was never materialized (or its run failed) and is rebuilt, as is every user in `incomplete`.
+    Users that left the archive are not touched: deleting data is `qumem forget`'s job.
     """
     known = set(registered)
     new = sorted(u for u in current if u not in known)
     changed, unchanged = [], []
     for u in sorted(u for u in current if u in known):
-        (unchanged if recorded.get(u) == recorded_form(current[u]) else changed).append(u)
+        same = recorded.get(u) == recorded_form(current[u]) and u not in incomplete
+        (unchanged if same else changed).append(u)
     return RebuildPlan(new=new, changed=changed, unchanged=unchanged)
 
 

@@ -12,7 +12,7 @@ import pytest
 from assets.ingest import turns
 from assets.partitions import users_partitions
 from assets.schedules import build_nightly_schedule, recorded_fingerprints
-from qumem_pipeline.incremental import contiguous_ranges, plan_rebuild, recorded_form
+from qumem_pipeline.incremental import contiguous_ranges, plan_rebuild, recorded_form, unfinished
 from resources import PipelineConfig
 from tests.conftest import conversation, write_jsonl
 
@@ -42,6 +42,15 @@ def test_contiguous_ranges_hold_only_selected_users_and_respect_the_limit():
     assert contiguous_ranges(order, selected, 10) == [["u1", "u2", "u3"], ["u5"], ["u7", "u8"]]
     assert contiguous_ranges(order, set(order), 3) == [order[0:3], order[3:6], order[6:8]]
     assert contiguous_ranges(order, set(), 3) == []
+
+
+def test_unfinished_users_are_rebuilt_even_when_unchanged():
+    turns_ids = {"a": 10, "b": 11, "c": 12}
+    final_ids = {"a": 20, "b": 5}  # b's final asset predates its turns; c never got one
+    assert unfinished(turns_ids, final_ids) == {"b", "c"}
+    fp = "f" * 64
+    plan = plan_rebuild({"a": fp, "b": fp}, ["a", "b"], {"a": recorded_form(fp), "b": recorded_form(fp)}, {"b"})
+    assert plan.changed == ["b"] and plan.unchanged == ["a"]
 
 
 def test_contiguous_ranges_reject_bad_input():
@@ -98,7 +107,7 @@ def test_schedule_requests_only_new_and_changed_users(tmp_path, instance):
             "chen": ["I play piano.", "Nice!", "Scales are hard.", "Keep going."]}
     _archive(archive, base)
     pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
-    schedule = build_nightly_schedule(job=turns_job, users_per_run=50)
+    schedule = build_nightly_schedule(job=turns_job, users_per_run=50, final_asset="turns")
 
     # First night: everyone is new -> registered, one range run of all three.
     first = _evaluate(schedule, instance, pipeline)
@@ -130,7 +139,7 @@ def test_schedule_ranges_respect_users_per_run(tmp_path, instance):
     users = {f"u{i}": [f"Hello from user {i}.", "Hi."] for i in range(5)}
     _archive(archive, users)
     pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
-    schedule = build_nightly_schedule(job=turns_job, users_per_run=2)
+    schedule = build_nightly_schedule(job=turns_job, users_per_run=2, final_asset="turns")
     res = _evaluate(schedule, instance, pipeline)
     assert [_users_of(r) for r in res.run_requests] == [("u0", "u1"), ("u2", "u3"), ("u4", "u4")]
 
@@ -152,3 +161,45 @@ def test_definitions_register_the_stopped_nightly_schedule(monkeypatch):
         importlib.reload(s)
         importlib.reload(d)
     assert d.build_definitions().get_schedule_def("nightly_incremental_rebuild").cron_schedule == "0 2 * * *"
+
+
+# --- a run that fails part-way is finished the next night -------------------------------------------
+
+FAIL_DOWNSTREAM = {"on": True}
+
+
+@dg.asset(partitions_def=users_partitions, deps=[turns], backfill_policy=turns.backfill_policy)
+def turn_counts(context: dg.AssetExecutionContext) -> None:
+    """A downstream step that fails on demand, standing in for a later stage crashing mid-run."""
+    if FAIL_DOWNSTREAM["on"]:
+        raise RuntimeError("downstream stage crashed")
+
+
+def test_schedule_finishes_users_whose_run_failed_after_turns(tmp_path, instance):
+    archive = tmp_path / "archive"
+    _archive(archive, {"alice": ["I like tea.", "Noted."], "bob": ["My dog is sick.", "Sorry."]})
+    pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
+    job = dg.define_asset_job("turns_and_counts", selection=[turns, turn_counts])
+    schedule = build_nightly_schedule(job=job, users_per_run=50, final_asset="turn_counts")
+    defs = dg.Definitions(assets=[turns, turn_counts], jobs=[job], schedules=[schedule], resources={"pipeline": pipeline})
+
+    def evaluate():
+        ctx = dg.build_schedule_context(instance=instance, scheduled_execution_time=TICK,
+                                        resources={"pipeline": pipeline}, repository_def=defs.get_repository_def())
+        return schedule.evaluate_tick(ctx)
+
+    def execute(request):
+        return defs.resolve_job_def("turns_and_counts").execute_in_process(
+            instance=instance, tags=dict(request.tags), raise_on_error=False)
+
+    first = evaluate()
+    assert [_users_of(r) for r in first.run_requests] == [("alice", "bob")]
+    FAIL_DOWNSTREAM["on"] = True
+    assert not execute(first.run_requests[0]).success
+    assert set(recorded_fingerprints(instance, ["alice", "bob"])) == {"alice", "bob"}  # turns did land
+
+    retry = evaluate()  # content unchanged, but the downstream step never finished
+    assert [_users_of(r) for r in retry.run_requests] == [("alice", "bob")]
+    FAIL_DOWNSTREAM["on"] = False
+    assert execute(retry.run_requests[0]).success
+    assert evaluate().run_requests == []
