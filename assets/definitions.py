@@ -8,6 +8,7 @@ from assets.ingest import turns
 from assets.memories import memories
 from assets.query_states import query_states
 from assets.retrieval import memory_embeddings, memory_indexes
+from assets.schedules import build_nightly_schedule
 from assets.partitions import users_partitions
 from assets.sensors import MAIN_JOB_NAME, user_discovery_sensor
 from assets.warehouse import warehouse
@@ -34,6 +35,7 @@ def build_definitions(env: str | None = None) -> dg.Definitions:
         assets=ALL_ASSETS,
         jobs=[main_job, ingest_job, forget_user_job],
         sensors=[user_discovery_sensor],
+        schedules=[build_nightly_schedule(job=main_job)],
         resources=resources_for(env),
         executor=dg.in_process_executor,
     )

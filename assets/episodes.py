@@ -9,10 +9,11 @@ from assets.partitions import run_user_ids, user_backfill_policy, users_partitio
 from assets.progress import ProgressLogger
 from qumem_pipeline import checks
 from qumem_pipeline.episodes import EPISODE_SCHEMA, build_episodes_for_users
+from qumem_pipeline.stage_versions import stage_code_versions
 from resources import PipelineConfig
 from resources.models import ContinuityClassifierResource
 
-EPISODES_CODE_VERSION = "episodes-v1"
+EPISODES_CODE_VERSION = stage_code_versions()["episodes"]  # names the classifier artifact
 
 
 @dg.asset(

@@ -6,6 +6,7 @@ from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from qumem_pipeline import checks
+from qumem_pipeline.incremental import recorded_form
 from qumem_pipeline.ingest import load_archive, write_unattributed_quarantine, write_users
 from qumem_pipeline.validate import TURN_POLARS_SCHEMA
 from qumem_pipeline.versions import TURN_SCHEMA_VERSION
@@ -52,7 +53,8 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
             "quarantined": run_q,
             "quarantined_unattributed": unattributed,
             "archive_quarantined_by_field": dg.MetadataValue.json(counts["quarantined_by_field"]),
-            "fingerprints": dg.MetadataValue.json({u: s["fingerprint"][:16] for u, s in list(stats.items())[:100]}),
+            # every user of the run: the nightly schedule compares these with the archive (assets/schedules.py)
+            "fingerprints": dg.MetadataValue.json({u: recorded_form(s["fingerprint"]) for u, s in stats.items()}),
             "seconds": round(time.perf_counter() - t0, 3),
         }
     )

@@ -9,6 +9,7 @@ from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline import checks
 from qumem_pipeline.decompose import PROMPT_VERSION, decompose_episodes
+from qumem_pipeline.stage_versions import stage_code_versions
 from resources import PipelineConfig
 from resources.models import LLMResource
 
@@ -31,7 +32,7 @@ def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
     backfill_policy=user_backfill_policy,
     deps=[episodes],
     pool="gpu",
-    code_version=PROMPT_VERSION,
+    code_version=stage_code_versions()["memories"],  # prompt + LLM model id
     group_name="memories",
     kinds={"parquet"},
     description="Typed memories (fact / preference / insight) per episode, with evidence turn ids, "
@@ -51,7 +52,9 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
         inputs.extend(episodes_with_turns(turns_df, eps_df))
         all_eps.append(eps_df.select("episode_id", "turn_ids"))
     context.log.info(f"decomposing {len(inputs)} episodes of {len(users)} users ({3 * len(inputs)} LLM calls)")
+    t_llm = time.perf_counter()
     out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens)
+    llm_s = time.perf_counter() - t_llm
     for u in users:
         layout.write_user_table("memories", u, out.memories.filter(pl.col("user_id") == u))
         layout.write_user_table("llm_ledger", u, out.ledger.filter(pl.col("user_id") == u))
@@ -59,6 +62,10 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     evidence = checks.evidence_inside_episodes(out.memories, pl.concat(all_eps) if all_eps else pl.DataFrame(
         schema={"episode_id": pl.String, "turn_ids": pl.List(pl.Int64)}))
     s = out.summary
+    context.log.info(
+        f"decomposed {len(inputs)} episodes: {s['llm_calls']} LLM calls in {llm_s:.1f}s "
+        f"({s['llm_calls'] / max(llm_s, 1e-9):.1f} calls/s, {s['completion_tokens'] / max(llm_s, 1e-9):.0f} completion tok/s)"
+    )
     by_type = dict(out.memories.group_by("type").len().rows()) if out.memories.height else {}
     return dg.MaterializeResult(
         check_results=[check_result("evidence_inside_episode", evidence)],
@@ -72,6 +79,10 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
             "calls_per_100_turns": round(s["calls_per_100_turns"], 2),
             "prompt_tokens_per_turn": round(s["prompt_tokens_per_turn"], 1),
             "completion_tokens_per_turn": round(s["completion_tokens_per_turn"], 1),
+            "prompt_tokens": s["prompt_tokens"],  # run totals from the token ledger
+            "completion_tokens": s["completion_tokens"],
+            "llm_seconds": round(llm_s, 3),
+            "completion_tokens_per_s": round(s["completion_tokens"] / llm_s, 1) if llm_s > 0 else 0.0,
             "prefill_saved_by_prefix_cache": round(s["prefill_saved_fraction"], 3),
             "evidence_ids_dropped": out.stats.evidence_ids_dropped,
             "duplicates_collapsed": out.stats.duplicates_collapsed,

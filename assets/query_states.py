@@ -13,6 +13,7 @@ from qumem_pipeline import checks
 from qumem_pipeline.queries import read_queries, to_queries
 from qumem_pipeline.query_state import QUERY_PROMPT_VERSION, infer_user_states
 from qumem_pipeline.retrieval import TypedMemoryRetriever
+from qumem_pipeline.stage_versions import stage_code_versions
 from qumem_pipeline.vector_index import VectorStore
 from resources import PipelineConfig
 from resources.models import EmbedderResource, LLMResource
@@ -23,7 +24,7 @@ from resources.models import EmbedderResource, LLMResource
     backfill_policy=user_backfill_policy,
     deps=[memory_indexes, turns],
     pool="gpu",
-    code_version=QUERY_PROMPT_VERSION,
+    code_version=stage_code_versions()["query_states"],  # prompts + LLM + embedder
     group_name="personalization",
     kinds={"parquet"},
     description="Query-conditioned user states Z_q for the run's personalization queries "

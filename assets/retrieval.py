@@ -8,6 +8,7 @@ from assets.partitions import run_user_ids, user_backfill_policy, users_partitio
 from assets.progress import ProgressLogger
 from qumem_pipeline import vector_index
 from qumem_pipeline.embeddings import embed_memories
+from qumem_pipeline.stage_versions import stage_code_versions
 from resources import PipelineConfig
 from resources.models import EmbedderResource
 
@@ -17,7 +18,7 @@ from resources.models import EmbedderResource
     backfill_policy=user_backfill_policy,
     deps=[memories],
     pool="gpu",
-    code_version="memory-embeddings-v1",
+    code_version=stage_code_versions()["memory_embeddings"],  # names the embedder
     group_name="retrieval",
     kinds={"pytorch", "parquet"},
     description="Memory embeddings (all-MiniLM-L6-v2, normalised float32); unchanged memories are reused, "
@@ -47,7 +48,7 @@ def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfi
     backfill_policy=user_backfill_policy,
     deps=[memory_embeddings],
     pool="gpu",
-    code_version="memory-indexes-v1",
+    code_version=stage_code_versions()["memory_indexes"],
     group_name="retrieval",
     kinds={"faiss"},
     description="Per-user, per-type FAISS indexes (IndexIDMap2 over exact inner product) + id map.",

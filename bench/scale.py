@@ -1,0 +1,313 @@
+"""Scale: the LLM-free stages over a generated archive, in real Dagster runs of 1, 10 and 100 users.
+
+    python bench/scale.py [--users 1000] [--turns 100] [--one-per-run-users 20] [--json]
+
+Each configuration starts from an empty data root and a fresh (SQLite) Dagster instance and is driven
+by the nightly schedule itself (assets/schedules.py) with users_per_run = 1, 10 or 100: its first
+evaluation registers every user and requests ranges, each range is executed with the in-process
+executor (turns -> episodes -> memories* -> memory_embeddings -> memory_indexes). A second evaluation
+over the unchanged archive must request nothing (printed, with the stage seconds it cost: zero).
+The 1-user-per-run configuration uses only the first --one-per-run-users users (1,000 runs of one
+user would take hours; its figures are per-turn rates, so they compare).
+
+* Memories need an LLM, so this bench substitutes a SYNTHETIC `memories` asset (same key, same
+  partitions/backfill policy): one memory per user utterance, citing that turn, typed round-robin.
+  `memory_embeddings`/`memory_indexes` then run for real on as many sentences as there are user turns.
+* Stage time = the `seconds` metadata each asset records around its own code; orchestration overhead
+  = run wall time (execute_in_process, including per-run model loads) - stage time, as a share of wall.
+* Bound = the turns/s the two models alone allow: the classifier's raw forward over exactly the pairs
+  the episodes stage classified, plus the embedder's raw forward over exactly the memory sentences,
+  both measured in this run on pre-tokenised batches. bound_ratio = achieved turns/s (all stages,
+  all orchestration, at 100 users per run) / bound.
+
+With --json the last printed line is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import dagster as dg  # noqa: E402
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+
+from assets.episodes import episodes  # noqa: E402
+from assets.ingest import turns  # noqa: E402
+from assets.partitions import run_user_ids, user_backfill_policy, users_partitions  # noqa: E402
+from assets.retrieval import memory_embeddings, memory_indexes  # noqa: E402
+from assets.schedules import build_nightly_schedule  # noqa: E402
+from qumem_pipeline.decompose import MEMORY_SCHEMA, MEMORY_TYPES  # noqa: E402
+from qumem_pipeline.episodes import user_pairs  # noqa: E402
+from resources import PipelineConfig  # noqa: E402
+from resources.models import ContinuityClassifierResource, EmbedderResource  # noqa: E402
+
+TOPICS = {
+    "travel": "trip flight hotel Lisbon beach passport window seat museum train itinerary",
+    "pets": "dog vet walk leash puppy food cat adoption park fur",
+    "cooking": "pasta recipe oven garlic dinner spicy vegetarian bread sauce kitchen",
+    "work": "deadline manager project meeting promotion remote laptop report team client",
+    "music": "guitar piano lessons concert band scales song practice chords jazz",
+    "health": "running knee doctor sleep yoga diet marathon stretching water injury",
+}
+STARTS = ["I think", "Yesterday I", "My plan is that", "Honestly", "I really want to say", "Last week", "I noticed"]
+STAGES = ["turns", "episodes", "memories", "memory_embeddings", "memory_indexes"]
+
+
+# ------------------------------------------------------------------------------------ generated data
+
+def generate_archive(path: Path, n_users: int, n_turns: int, seed: int = 0) -> int:
+    """JSONL, one file per 100 users; user turns drift across topics in blocks (so episodes vary)."""
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    t0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    total, names = 0, list(TOPICS)
+    for start in range(0, n_users, 100):
+        with open(path / f"users-{start:05d}.jsonl", "w") as f:
+            for u in range(start, min(start + 100, n_users)):
+                user = f"user{u:05d}"
+                topic = rng.choice(names)
+                for i in range(n_turns):
+                    if i % 2 == 0 and rng.random() < 0.15:
+                        topic = rng.choice(names)
+                    words = TOPICS[topic].split()
+                    if i % 2 == 0:
+                        text = f"{rng.choice(STARTS)} the {' '.join(rng.choices(words, k=rng.randint(5, 14)))}."
+                    else:
+                        text = f"That sounds {rng.choice(['good', 'hard', 'fun'])}; tell me more about the {rng.choice(words)}."
+                    row = {"user_id": user, "conversation_id": f"{user}-c{i // 20}", "session_id": f"{user}-s{i // 20}",
+                           "turn_index": i, "role": "user" if i % 2 == 0 else "assistant",
+                           "speaker": user if i % 2 == 0 else "assistant", "text": text,
+                           "timestamp": (t0 + timedelta(minutes=i)).isoformat(), "source_ref": f"{user}:{i}"}
+                    f.write(json.dumps(row) + "\n")
+                    total += 1
+    return total
+
+
+@dg.asset(
+    key="memories",
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[episodes],
+    group_name="bench",
+    description="SYNTHETIC memories for the scale bench (no LLM): one per user utterance, citing it.",
+)
+def synthetic_memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    rows = 0
+    for u in users:
+        t = layout.read_user_table("turns", u).filter(pl.col("role") == "user").sort("turn_index")
+        eps = layout.read_user_table("episodes", u).select("episode_id", "turn_ids").explode("turn_ids")
+        ep_of = dict(zip(eps["turn_ids"].to_list(), eps["episode_id"].to_list()))
+        idx = t["turn_index"].to_list()
+        df = pl.DataFrame({
+            "memory_id": [f"{u}-syn-{i}" for i in idx],
+            "user_id": [u] * len(idx),
+            "type": [MEMORY_TYPES[k % len(MEMORY_TYPES)] for k in range(len(idx))],
+            "content": t["text"].to_list(),
+            "episode_id": [ep_of[i] for i in idx],
+            "evidence_turn_ids": [[i] for i in idx],
+            "position": idx,
+            "valid_from": t["timestamp"].to_list(),
+            "model": ["synthetic-bench"] * len(idx),
+            "prompt_version": ["synthetic"] * len(idx),
+            "code_version": ["synthetic"] * len(idx),
+            "created_at": [datetime(2025, 1, 1, tzinfo=timezone.utc)] * len(idx),
+        }, schema=MEMORY_SCHEMA)
+        layout.write_user_table("memories", u, df)
+        rows += df.height
+    return dg.MaterializeResult(metadata={"users": len(users), "dagster/row_count": rows, "synthetic": True,
+                                          "seconds": round(time.perf_counter() - t0, 3)})
+
+
+BENCH_ASSETS = [turns, episodes, synthetic_memories, memory_embeddings, memory_indexes]
+bench_job = dg.define_asset_job("scale_bench_job", selection=BENCH_ASSETS)
+
+
+# ------------------------------------------------------------------------------------ one configuration
+
+def run_config(archive: Path, work: Path, per_run: int, device: str | None) -> dict:
+    """Fresh data root + instance; the nightly schedule plans the runs; execute each; then re-check."""
+    (work / "home").mkdir(parents=True)
+    pipeline = PipelineConfig(data_root=str(work / "data"), archive_path=str(archive))
+    schedule = build_nightly_schedule(job=bench_job, users_per_run=per_run, name=f"bench_nightly_{per_run}",
+                                      final_asset="memory_indexes")
+    defs = dg.Definitions(
+        assets=BENCH_ASSETS, jobs=[bench_job], schedules=[schedule], executor=dg.in_process_executor,
+        resources={"pipeline": pipeline, "continuity": ContinuityClassifierResource(device=device or ""),
+                   "embedder": EmbedderResource(device=device or "")},
+    )
+    job = defs.resolve_job_def(bench_job.name)
+    instance = dg.DagsterInstance.local_temp(str(work / "home"))
+
+    def evaluate():
+        ctx = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime.now(timezone.utc),
+                                        resources={"pipeline": pipeline}, repository_def=defs.get_repository_def())
+        t = time.perf_counter()
+        data = schedule.evaluate_tick(ctx)
+        return data, time.perf_counter() - t
+
+    first, first_check_s = evaluate()
+    wall = stage = 0.0
+    per_stage = dict.fromkeys(STAGES, 0.0)
+    n_turns = 0
+    for req in first.run_requests:
+        t = time.perf_counter()
+        result = job.execute_in_process(instance=instance, tags=dict(req.tags), raise_on_error=True)
+        wall += time.perf_counter() - t
+        for name in STAGES:
+            # one event per partition, all with the run's metadata: read the first
+            evs = [e for e in result.get_asset_materialization_events()
+                   if e.asset_key.to_user_string() == name]
+            if not evs:
+                raise RuntimeError(f"run {result.run_id}: no materialization of {name}")
+            md = evs[0].step_materialization_data.materialization.metadata
+            per_stage[name] += md["seconds"].value
+            if name == "turns":
+                n_turns += md["dagster/row_count"].value
+    stage = sum(per_stage.values())
+    second, second_check_s = evaluate()
+    runs_after = len(instance.get_run_records())
+    instance.dispose()
+    return {
+        "users_per_run": per_run, "runs": len(first.run_requests), "turns": n_turns,
+        "wall_s": round(wall, 2), "stage_s": round(stage, 2),
+        "stage_s_by_asset": {k: round(v, 2) for k, v in per_stage.items()},
+        "overhead": round((wall - stage) / wall, 4) if wall else 0.0,
+        "turns_per_s": round(n_turns / wall, 1) if wall else 0.0,
+        "first_check_s": round(first_check_s, 2),
+        "second_nightly_runs_requested": len(second.run_requests),
+        "second_nightly_skip": second.skip_message,
+        "second_nightly_check_s": round(second_check_s, 2),
+        "runs_in_instance_after_second_nightly": runs_after,
+    }
+
+
+# ------------------------------------------------------------------------------------ the bound
+
+def model_bound(archive: Path, device: str | None, batch_pairs: int = 64, batch_sent: int = 128) -> dict:
+    """Raw forward throughput of both models on exactly this archive's pairs and memory sentences."""
+    import torch
+
+    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.embeddings import Embedder
+    from qumem_pipeline.ingest import ArchiveConfig, load_archive
+
+    tdf = load_archive(ArchiveConfig(path=str(archive))).turns
+    pairs, sentences = [], []
+    for _, t in tdf.partition_by("user_id", as_dict=True).items():
+        pairs += user_pairs(t)
+        sentences += t.sort("turn_index").filter(pl.col("role") == "user")["text"].to_list()
+    n_turns = tdf.height
+
+    clf = ContinuityClassifier.load(None, device=device)
+    batches = clf.prepare(pairs, batch_pairs)
+    clf.raw_forward(batches[:2])
+    t = time.perf_counter()
+    clf.raw_forward(batches)
+    clf_s = time.perf_counter() - t
+
+    emb = Embedder.load(device=device)
+    enc = emb.tokenizer(sentences, truncation=True, max_length=emb.max_seq_length, padding=False,
+                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    order = np.argsort([len(x) for x in enc], kind="stable")
+    pad = emb.tokenizer.pad_token_id or 0
+    tensors = []
+    for s in range(0, len(order), batch_sent):
+        idx = order[s : s + batch_sent]
+        L = max(len(enc[i]) for i in idx)
+        ids = np.full((len(idx), L), pad, dtype=np.int64)
+        mask = np.zeros((len(idx), L), dtype=np.int64)
+        for r, i in enumerate(idx):
+            ids[r, : len(enc[i])] = enc[i]
+            mask[r, : len(enc[i])] = 1
+        tensors.append((torch.from_numpy(ids).to(emb.device), torch.from_numpy(mask).to(emb.device)))
+    with torch.inference_mode():
+        emb.model(input_ids=tensors[0][0], attention_mask=tensors[0][1])
+        if emb.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for ids, mask in tensors:
+            emb.model(input_ids=ids, attention_mask=mask)
+        if emb.device.type == "cuda":
+            torch.cuda.synchronize()
+        emb_s = time.perf_counter() - t
+    return {
+        "turns": n_turns, "pairs": len(pairs), "sentences": len(sentences),
+        "raw_pairs_per_s": round(len(pairs) / clf_s, 1), "raw_sentences_per_s": round(len(sentences) / emb_s, 1),
+        "model_s": round(clf_s + emb_s, 2), "bound_turns_per_s": round(n_turns / (clf_s + emb_s), 1),
+        "device": str(clf.device), "threads": torch.get_num_threads(),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, default=1000)
+    ap.add_argument("--turns", type=int, default=100, help="turns per user (half user, half assistant)")
+    ap.add_argument("--one-per-run-users", type=int, default=20)
+    ap.add_argument("--configs", default="1,10,100", help="users per run, comma-separated")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import logging
+
+    logging.getLogger("dagster").setLevel(logging.WARNING)
+
+    configs = [int(x) for x in args.configs.split(",")]
+    with tempfile.TemporaryDirectory(prefix="qumem-scale-") as tmp:
+        tmp = Path(tmp)
+        total = generate_archive(tmp / "archive", args.users, args.turns)
+        small = min(args.one_per_run_users, args.users)
+        generate_archive(tmp / "archive_small", small, args.turns)
+        results = []
+        for per_run in configs:
+            archive = tmp / ("archive_small" if per_run == 1 else "archive")
+            r = run_config(archive, tmp / f"cfg-{per_run}", per_run, args.device)
+            r["users"] = small if per_run == 1 else args.users
+            results.append(r)
+            print(f"{per_run:>4} users/run: {r['users']} users, {r['runs']} runs, {r['turns']} turns, "
+                  f"wall {r['wall_s']}s, stage {r['stage_s']}s, overhead {100 * r['overhead']:.1f}%, "
+                  f"{r['turns_per_s']} turns/s", flush=True)
+            print(f"      second nightly over the unchanged archive: {r['second_nightly_runs_requested']} runs "
+                  f"requested, 0 stage seconds, check took {r['second_nightly_check_s']}s "
+                  f"({r['second_nightly_skip']})", flush=True)
+        bound = model_bound(tmp / "archive", args.device)
+    main_cfg = next((r for r in results if r["users_per_run"] == max(configs)), results[-1])
+    out = {
+        "users": args.users, "turns_per_user": args.turns, "archive_turns": total,
+        "one_per_run_users": small,
+        "configs": results,
+        "bound": bound,
+        "turns_per_s": main_cfg["turns_per_s"],
+        "bound_ratio": round(main_cfg["turns_per_s"] / bound["bound_turns_per_s"], 3),
+        "overhead_at_100": next((r["overhead"] for r in results if r["users_per_run"] == 100), None),
+        "second_nightly_runs_requested": [r["second_nightly_runs_requested"] for r in results],
+        "memories": "synthetic (one per user utterance, citing it; no LLM)",
+    }
+    print(f"bound (raw forward, same data): classifier {bound['raw_pairs_per_s']} pairs/s, embedder "
+          f"{bound['raw_sentences_per_s']} sentences/s -> {bound['bound_turns_per_s']} turns/s; "
+          f"achieved at {main_cfg['users_per_run']} users/run {out['turns_per_s']} turns/s, "
+          f"bound_ratio {out['bound_ratio']}")
+    print(f"{'users/run':>9} {'users':>6} {'runs':>5} {'turns':>7} {'wall s':>8} {'stage s':>8} {'overhead':>9} {'turns/s':>8}")
+    for r in results:
+        print(f"{r['users_per_run']:>9} {r['users']:>6} {r['runs']:>5} {r['turns']:>7} {r['wall_s']:>8} "
+              f"{r['stage_s']:>8} {100 * r['overhead']:>8.1f}% {r['turns_per_s']:>8}")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Code versions: changing the classifier, prompt, LLM or embedder changes the affected assets' versions
+(what makes Dagster show them and their downstream as stale)."""
+
+import json
+import shutil
+
+import dagster as dg
+
+from qumem_pipeline import stage_versions
+from qumem_pipeline.stage_versions import DEFAULT_CLASSIFIER_DIR, stage_code_versions
+
+
+def _changed(before: dict, after: dict) -> set[str]:
+    return {k for k in before if before[k] != after[k]}
+
+
+def test_assets_carry_the_stage_code_versions():
+    from assets.definitions import ALL_ASSETS
+
+    versions = {k.to_user_string(): v for a in ALL_ASSETS for k, v in a.code_versions_by_key.items()}
+    expected = stage_code_versions()
+    assert {k: versions[k] for k in expected} == expected
+
+
+def test_llm_model_change_touches_only_llm_stages(monkeypatch):
+    monkeypatch.delenv("QUMEM_LLM_MODEL", raising=False)
+    monkeypatch.delenv("QUMEM_LLM_KIND", raising=False)
+    before = stage_code_versions()
+    monkeypatch.setenv("QUMEM_LLM_KIND", "openai")
+    monkeypatch.setenv("QUMEM_LLM_MODEL", "Qwen/Qwen2.5-7B-Instruct")
+    assert _changed(before, stage_code_versions()) == {"memories", "query_states"}
+
+
+def test_classifier_artifact_change_touches_only_episodes(tmp_path, monkeypatch):
+    before = stage_code_versions()
+    retrained = tmp_path / "continuity"
+    shutil.copytree(DEFAULT_CLASSIFIER_DIR, retrained)
+    cfg = json.loads((retrained / "config.json").read_text())
+    cfg["version"] = cfg["version"] + "-retrained"
+    (retrained / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setenv("QUMEM_CLASSIFIER_DIR", str(retrained))
+    assert _changed(before, stage_code_versions()) == {"episodes"}
+
+
+def test_prompt_and_embedder_changes(monkeypatch):
+    import qumem_pipeline.decompose as decompose
+
+    before = stage_code_versions()
+    monkeypatch.setattr(decompose, "PROMPT_VERSION", decompose.PROMPT_VERSION + "-edited")
+    assert _changed(before, stage_code_versions()) == {"memories"}
+    monkeypatch.undo()
+    monkeypatch.setattr(stage_versions, "embedder_version", lambda: "all-MiniLM-L12-v2@other")
+    assert _changed(before, stage_code_versions()) == {"memory_embeddings", "memory_indexes", "query_states"}
+
+
+def test_unreadable_classifier_artifact_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUMEM_CLASSIFIER_DIR", str(tmp_path))
+    try:
+        stage_versions.classifier_version()
+    except RuntimeError as e:
+        assert "config.json" in str(e) and "version" in str(e)
+    else:
+        raise AssertionError("a missing artifact must fail")
