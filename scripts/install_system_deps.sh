@@ -8,7 +8,7 @@ set -euo pipefail
 log() { echo "[system-deps] $*" >&2; }
 
 missing=()
-[ -x /usr/bin/chromium ] || missing+=(chromium chromium-driver)
+[ -x /usr/bin/chromium ] || missing+=(chromium chromium-driver fonts-liberation)  # fonts: a recommends we skip otherwise
 command -v pg_ctlcluster >/dev/null 2>&1 || missing+=(postgresql)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
