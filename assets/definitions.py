@@ -30,14 +30,16 @@ ingest_job = dg.define_asset_job(
 )
 
 
-def build_definitions(env: str | None = None) -> dg.Definitions:
+def build_definitions(env: str | None = None, executor: dg.ExecutorDefinition | None = None) -> dg.Definitions:
+    """`executor`: None = in-process (one process per run, models loaded once); deploy/ passes
+    multiprocess or Kubernetes executors, so scale-out is configuration, not code."""
     return dg.Definitions(
         assets=ALL_ASSETS,
         jobs=[main_job, ingest_job, forget_user_job],
         sensors=[user_discovery_sensor],
         schedules=[build_nightly_schedule(job=main_job)],
         resources=resources_for(env),
-        executor=dg.in_process_executor,
+        executor=executor or dg.in_process_executor,
     )
 
 
