@@ -71,3 +71,17 @@ class BM25Index:
             s = np.where(self.positions <= as_of_position, s, 0.0)
         order = np.argsort(-s, kind="stable")[:k]
         return [(self.doc_ids[i], float(s[i]), int(self.positions[i])) for i in order if s[i] > 0]
+
+    def salient_terms(self, query: str, slack: float = 0.9) -> list[str]:
+        """The query's rarest indexed words (idf within ``slack`` of the rarest): the backoff keywords."""
+        q = [w for w in dict.fromkeys(tokens(query)) if w in self.vocab]
+        if not q:
+            return []
+        top = max(self.idf[self.vocab[w]] for w in q)
+        return [w for w in q if self.idf[self.vocab[w]] >= slack * top]
+
+    def backoff(self, query: str, k: int, as_of_position: int | None = None) -> list[tuple[str, float, int]]:
+        """Keyword backoff: BM25 on the query's salient words only, so one rare exact word is not
+        outvoted by common words that dense retrieval already covers."""
+        terms = self.salient_terms(query)
+        return self.search(" ".join(terms), k, as_of_position) if terms else []
