@@ -1,4 +1,4 @@
-"""AdaMem assets: the per-user memory graph (and, built on the same tables, persona profiles)."""
+"""AdaMem assets on the existing tables: persona profiles, then the per-user memory graph that links them."""
 
 import time
 
@@ -10,9 +10,12 @@ from assets.episodes import episodes
 from assets.ingest import turns
 from assets.memories import memories
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.retrieval import memory_embeddings
 from qumem_pipeline.adamem.graph import EDGE_TYPES, build_memory_graph, dangling_edges
 from qumem_pipeline.checks import CheckOutcome
+from qumem_pipeline.adamem.profiles import PROFILE_PROMPT_VERSION, build_profiles, uncited_profiles, vectors_for
 from resources import PipelineConfig
+from resources.models import EmbedderResource, LLMResource
 
 GRAPH_NODES, GRAPH_EDGES = "memory_graph_nodes", "memory_graph_edges"
 
@@ -26,7 +29,42 @@ def graph_endpoints_exist(nodes: pl.DataFrame, edges: pl.DataFrame) -> CheckOutc
 @dg.asset(
     partitions_def=users_partitions,
     backfill_policy=user_backfill_policy,
-    deps=[turns, episodes, memories],
+    deps=[memories, memory_embeddings],
+    pool="gpu",
+    code_version=PROFILE_PROMPT_VERSION,
+    group_name="adamem",
+    kinds={"parquet"},
+    description="Persona profiles: topic/aspect summaries of each user's preference and insight memories "
+    "(near-duplicates grouped by embedding neighbourhood, one LLM merge per group), each citing its memories.",
+    check_specs=[dg.AssetCheckSpec("profiles_cite_existing_memories", asset="persona_profiles", blocking=True)],
+)
+def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource,
+                     embedder: EmbedderResource) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    mems = layout.read_table("memories", users)
+    if mems is None or len(layout.table_files("memories", users)) != len(users):
+        raise dg.Failure("materialize `memories` for every user of the run first")
+    vectors = vectors_for(mems, layout.read_table("memory_embeddings", users), embedder.model)
+    profiles = build_profiles(mems, vectors, llm.backend)
+    for u in users:
+        layout.write_user_table("persona_profiles", u, profiles.filter(pl.col("user_id") == u))
+    bad = uncited_profiles(profiles, mems)
+    outcome = CheckOutcome(not bad, f"{len(bad)} profile entries cite no or unknown memories", {"violations": len(bad)})
+    merged = profiles.filter(pl.col("merged_by") == "llm").height
+    return dg.MaterializeResult(
+        check_results=[check_result("profiles_cite_existing_memories", outcome)],
+        metadata={"users": len(users), "dagster/row_count": profiles.height, "llm_merges": merged,
+                  "fallbacks": profiles.filter(pl.col("merged_by").str.starts_with("fallback")).height,
+                  "prompt_version": PROFILE_PROMPT_VERSION, "seconds": round(time.perf_counter() - t0, 3)},
+    )
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[turns, episodes, memories, persona_profiles],
     code_version="memory-graph-v1",
     group_name="adamem",
     kinds={"parquet"},
