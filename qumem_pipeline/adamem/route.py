@@ -34,7 +34,9 @@ _PRIORS = {
                  "next-episode": 0.4},
     ATTRIBUTE: {"summarises": 1.0, "supports": 0.8, "same-topic": 0.6, "mentions-entity": 0.4},
 }
-_SHAPE = {TEMPORAL: (1, 4), RELATIONAL: (2, 5), ATTRIBUTE: (1, 3)}  # (hops, seeds)
+# (hops, seeds). Topic, entity and episode nodes are hubs between units, so reaching a neighbouring
+# turn or memory through one takes two hops; one hop only reaches supports/summarises neighbours.
+_SHAPE = {TEMPORAL: (2, 4), RELATIONAL: (2, 5), ATTRIBUTE: (2, 3)}
 
 
 @dataclass(frozen=True)
