@@ -3,6 +3,7 @@
 import dagster as dg
 
 from assets.forget import forget_user_job
+from assets.adamem import memory_graph, persona_profiles
 from assets.episodes import episodes
 from assets.ingest import turns
 from assets.memories import memories
@@ -14,7 +15,7 @@ from assets.sensors import MAIN_JOB_NAME, user_discovery_sensor
 from assets.warehouse import warehouse
 from resources import resources_for
 
-ALL_ASSETS = [turns, episodes, memories, memory_embeddings, memory_indexes, query_states, warehouse]
+ALL_ASSETS = [turns, episodes, memories, memory_embeddings, memory_indexes, persona_profiles, memory_graph, query_states, warehouse]
 
 main_job = dg.define_asset_job(
     MAIN_JOB_NAME,

@@ -8,8 +8,11 @@ from assets.ingest import turns
 from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
+from assets.adamem import GRAPH_EDGES, GRAPH_NODES, memory_graph
 from assets.retrieval import memory_indexes
 from qumem_pipeline import checks
+from qumem_pipeline.adamem.retriever import DEFAULT_K as ADAMEM_K, UserBundle
+from qumem_pipeline.adamem.strategy import AdaMemRetriever
 from qumem_pipeline.queries import read_queries, to_queries
 from qumem_pipeline.query_state import QUERY_PROMPT_VERSION, infer_user_states
 from qumem_pipeline.retrieval import TypedMemoryRetriever
@@ -19,10 +22,28 @@ from resources import PipelineConfig
 from resources.models import EmbedderResource, LLMResource
 
 
+def adamem_retriever(layout, users, turns_by_user, mems, embedder):
+    """AdaMem bundles from the existing tables: turns, memories (+ their embeddings), graph, profiles."""
+    emb = layout.read_table("memory_embeddings", users)
+    if emb is not None and set(emb["embedding_model"].unique().to_list()) == {embedder.version}:
+        vectors = dict(zip(emb["memory_id"].to_list(), emb["embedding"].to_numpy()))
+    else:  # none yet, or from another model: embed the memories with the query embedder
+        vectors = None
+    bundles = {}
+    for u in users:
+        nodes, edges = layout.read_user_table(GRAPH_NODES, u), layout.read_user_table(GRAPH_EDGES, u)
+        if turns_by_user.get(u) is None or nodes is None or edges is None:
+            raise dg.Failure(f"user {u}: materialize `turns` and `memory_graph` first (strategy adamem)")
+        bundles[u] = UserBundle.build(u, turns_by_user[u], mems.filter(pl.col("user_id") == u), embedder,
+                                      nodes=nodes, edges=edges, profiles=layout.read_user_table("persona_profiles", u),
+                                      memory_vectors=vectors)
+    return AdaMemRetriever(bundles, embedder)
+
+
 @dg.asset(
     partitions_def=users_partitions,
     backfill_policy=user_backfill_policy,
-    deps=[memory_indexes, turns],
+    deps=[memory_indexes, turns, memory_graph],
     pool="gpu",
     code_version=stage_code_versions()["query_states"],  # prompts + LLM + embedder
     group_name="personalization",
@@ -51,10 +72,13 @@ def query_states(
     mems = layout.read_table("memories", users)
     if mems is None:
         raise dg.Failure("materialize `memories` first")
-    retriever = TypedMemoryRetriever(VectorStore(layout), embedder.model, mems)
+    if pipeline.query_strategy == "adamem":
+        retriever, k = adamem_retriever(layout, users, turns_by_user, mems, embedder.model), ADAMEM_K
+    else:
+        retriever, k = TypedMemoryRetriever(VectorStore(layout), embedder.model, mems), pipeline.retrieval_k
     progress = ProgressLogger(context.log, "query-state stages")
     out = infer_user_states(
-        queries, llm.backend, retriever, strategy=pipeline.query_strategy, k=pipeline.retrieval_k,
+        queries, llm.backend, retriever, strategy=pipeline.query_strategy, k=k,
         respond=pipeline.respond, created_at=datetime.now(timezone.utc),
         progress=lambda stage, done, total: progress(done, total) or context.log.info(f"stage done: {stage}"),
     )

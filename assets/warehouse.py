@@ -2,6 +2,7 @@ import time
 
 import dagster as dg
 
+from assets.adamem import persona_profiles
 from assets.episodes import episodes
 from assets.ingest import turns
 from assets.memories import memories
@@ -12,7 +13,7 @@ from qumem_pipeline.warehouse import WAREHOUSE_TABLES
 from resources import PipelineConfig
 
 # Upstream assets whose tables the warehouse mirrors; stages append theirs in definitions.
-WAREHOUSE_UPSTREAMS = [turns, episodes, memories, query_states]
+WAREHOUSE_UPSTREAMS = [turns, episodes, memories, query_states, persona_profiles]
 
 
 @dg.asset(

@@ -35,7 +35,11 @@ embedder.
 Headline figures (``retrieval``) are over categories 1-4; ``retrieval_with_adversarial`` adds
 category 5 (adversarial). ``per_category`` has every category.
 
-CLI: ``python -m qumem_pipeline.eval_locomo PATH [--json] [--memories PARQUET_DIR] [--limit-conversations N]``;
+Strategies side by side (``--strategies qumem,adamem,topk``): each query strategy's ranked retrieval
+under the same word budgets, one row per strategy in every table (see ``qumem_pipeline.adamem.eval_units``).
+
+CLI: ``python -m qumem_pipeline.eval_locomo PATH [--json] [--memories PARQUET_DIR] [--limit-conversations N]
+[--strategies qumem,adamem,topk]``;
 with ``--json`` the last line printed is one JSON object.
 """
 
@@ -315,6 +319,7 @@ def run_eval(
     batch_size: int = 64,
     min_cover_fraction: float = MIN_COVER_FRACTION,
     speaker_prefix: bool = True,
+    strategies: Sequence[str] = (),
     log=None,
 ) -> dict:
     """The full report (a JSON-serialisable dict). See the module docstring."""
@@ -327,6 +332,11 @@ def run_eval(
     unknown = set(units) - set(UNIT_KINDS)
     if unknown:
         raise ValueError(f"unknown unit kinds {sorted(unknown)}; expected {UNIT_KINDS}")
+    from qumem_pipeline.adamem.eval_units import EVAL_STRATEGIES, NEEDS_LLM, strategy_rankings
+
+    strategies = list(dict.fromkeys(strategies))
+    if set(strategies) - set(EVAL_STRATEGIES):
+        raise ValueError(f"unknown strategies {sorted(set(strategies) - set(EVAL_STRATEGIES))}; expected {EVAL_STRATEGIES}")
     convs, load_info = load_conversations(path, limit_conversations)
     qa_all, qa_stats = load_locomo_qa_with_stats(path)
     _speaker_a_first(convs, qa_all)
@@ -374,6 +384,12 @@ def run_eval(
                 mem_df = memories if isinstance(memories, pl.DataFrame) else read_memories(memories)
             except (FileNotFoundError, ValueError, OSError) as e:
                 skipped["memories"] = f"memories table unreadable: {e}"
+    elif strategies and memories is not None:
+        mem_df = memories if isinstance(memories, pl.DataFrame) else read_memories(memories)
+    for name, why in NEEDS_LLM.items():
+        if name in strategies:
+            skipped[f"strategy_{name}"] = why
+    run_strategies = [s for s in strategies if s not in NEEDS_LLM]
 
     emb = embedder or Embedder.load(device=device)
     questions = [it.question for c in convs for it in items_by_conv[c.sample_id]]
@@ -418,6 +434,17 @@ def run_eval(
             st["words"] += sum(u.words for u in us)
             for it, rec in zip(items, _rank_and_score(us, uv, qv, items, budgets, min_cover_fraction)):
                 per_kind[key].append((it.category, rec))
+        if run_strategies:
+            te = time.perf_counter()
+            ranked = strategy_rankings(
+                conv, [it.question for it in items], qv, run_strategies, emb, mem_df,
+                episodes_by_user.get(conv.user_id) if episodes_by_user else None,
+                lambda dias, text: EvalUnit(text, [(frozenset(dias), word_count(text))]))
+            for name, lists in ranked.items():
+                for it, units_ranked in zip(items, lists):
+                    per_kind[f"strategy_{name}"].append(
+                        (it.category, budgeted_recall(units_ranked, it.gold, budgets, min_cover_fraction)))
+            unit_stats["strategies"]["seconds_embedding"] += time.perf_counter() - te
         log(f"[locomo] {conv.sample_id}: {len(items)} items, {len(kinds)} unit kinds done "
             f"({time.perf_counter() - t0:.0f}s)")
 
@@ -440,6 +467,8 @@ def run_eval(
             "episodes": summary("episodes", cats),
             "memories": summary("memories", cats),
         }
+        if strategies:
+            r["strategies"] = {s: summary(f"strategy_{s}", cats) for s in strategies}
         return r
 
     if "memories" in units and mem_df is not None and not mem_conversations:
@@ -518,6 +547,7 @@ def format_table(report: dict) -> str:
         if block.get("fixed_chunks"):
             out.append((f"fixed (best={block['fixed_chunks']['window_turns']})", block["fixed_chunks"]))
         out += [("sessions", block["sessions"]), ("episodes", block["episodes"]), ("memories", block["memories"])]
+        out += [(f"strategy {s}", v) for s, v in (block.get("strategies") or {}).items()]
         return out
 
     def table(title: str, block: dict) -> None:
@@ -557,6 +587,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--min-cover-fraction", type=float, default=MIN_COVER_FRACTION,
                     help="share of a budget-crossing turn/memory that must fit for it to count (>1: never)")
     ap.add_argument("--no-speaker-prefix", action="store_true", help="embed/count turns without '<speaker>: '")
+    ap.add_argument("--strategies", default="", help="comma list of query strategies to compare side by side "
+                    "(qumem,adamem,topk); qumem needs an LLM and is skipped in retrieval-only runs")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -571,6 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size,
         min_cover_fraction=args.min_cover_fraction,
         speaker_prefix=not args.no_speaker_prefix,
+        strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
     )
     print(format_table(report))
     if args.out:

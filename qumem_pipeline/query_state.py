@@ -8,7 +8,8 @@ which small models cite far more reliably than hashes; aliases are mapped back t
 and any citation of a memory that was not retrieved is dropped and counted.
 
 The "topk" strategy is the paper's baseline: one similarity search over all stores with the raw
-query, then A3 on what it returned.
+query, then A3 on what it returned. The "adamem" strategy (second seed) is implemented in
+``qumem_pipeline.adamem.strategy`` and dispatched from here; it needs an ``AdaMemRetriever``.
 """
 
 import hashlib
@@ -23,7 +24,7 @@ from qumem_pipeline.decompose import MEMORY_TYPES
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.versions import CODE_VERSION
 
-STRATEGIES = ("qumem", "topk")
+STRATEGIES = ("qumem", "topk", "adamem")
 MAX_NEEDS = 3
 MAX_PLAN_QUERIES = 3
 # Output budgets per stage: small models fill every string to its maxLength, so the schema
@@ -314,6 +315,12 @@ def infer_user_states(
 ) -> StateOutput:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if strategy == "adamem":
+        from qumem_pipeline.adamem.strategy import AdaMemRetriever, infer_adamem_states
+
+        if not isinstance(retriever, AdaMemRetriever):
+            raise TypeError(f"strategy 'adamem' needs an AdaMemRetriever, got {type(retriever).__name__}")
+        return infer_adamem_states(queries, llm, retriever, k=k, created_at=created_at, progress=progress)
     created_at = created_at or datetime.now(timezone.utc)
     n = len(queries)
     tokens = [[0, 0] for _ in range(n)]

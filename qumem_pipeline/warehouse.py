@@ -33,7 +33,7 @@ class WarehouseBusy(TimeoutError):
 # Per-user tables mirrored into the warehouse, in load order. Later stages add theirs here.
 WAREHOUSE_TABLES: list[str] = [
     "turns", "quarantine", "fingerprints", "episodes", "memories", "memory_quarantine", "llm_ledger",
-    "query_states", "query_quarantine",
+    "query_states", "query_quarantine", "persona_profiles",
 ]
 
 

@@ -32,7 +32,7 @@ class PipelineConfig(dg.ConfigurableResource):
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
     max_quarantine_fraction: float = 0.2  # blocking check: more bad rows than this stops the run
     queries_path: str = ""  # personalization queries (JSONL/Parquet); "" = none this run
-    query_strategy: str = "qumem"  # qumem (three agents) | topk (single top-k baseline)
+    query_strategy: str = "qumem"  # qumem (three agents) | topk (single top-k baseline) | adamem
     retrieval_k: int = 5
     respond: bool = False  # also generate a personalized answer Ψ(q, Z_q)
 

@@ -16,7 +16,7 @@ from tests.conftest import conversation, write_jsonl
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 CANARY = "CANARY-d41d8cd9-unique-to-bob"
-ALL_ASSETS = ["turns", "episodes", "memories", "memory_embeddings", "memory_indexes", "query_states", "warehouse"]
+ALL_ASSETS = ["turns", "episodes", "memories", "memory_embeddings", "memory_indexes", "persona_profiles", "memory_graph", "query_states", "warehouse"]
 
 
 def load_defs():
@@ -108,11 +108,13 @@ def test_definitions_load_and_snapshot(dagster_env, small_archive):
     assert len(policies) == 1, "every partitioned asset must share one backfill policy"
     pools = {k: graph.get(dg.AssetKey(k)).pools for k in ALL_ASSETS}
     assert pools["warehouse"] == {"warehouse"}
-    assert all(pools[k] == {"gpu"} for k in ("episodes", "memories", "memory_embeddings", "memory_indexes", "query_states"))
+    assert all(pools[k] == {"gpu"} for k in ("episodes", "memories", "memory_embeddings", "memory_indexes", "query_states",
+                                              "persona_profiles"))
     checks = sorted(f"{c.asset_key.to_user_string()}:{c.name}" for c in graph.asset_check_keys)
     assert checks == [
         "episodes:every_turn_in_one_nonempty_episode", "episodes:schema_conforms",
-        "memories:evidence_inside_episode", "query_states:no_citation_after_as_of",
+        "memories:evidence_inside_episode", "memory_graph:edge_endpoints_exist",
+        "persona_profiles:profiles_cite_existing_memories", "query_states:no_citation_after_as_of",
         "turns:quarantine_under_ceiling", "turns:schema_conforms",
     ]
     repo = defs.get_repository_def()

@@ -1,0 +1,96 @@
+"""AdaMem assets on the existing tables: persona profiles, then the per-user memory graph that links them."""
+
+import time
+
+import dagster as dg
+import polars as pl
+
+from assets.check_results import check_result
+from assets.episodes import episodes
+from assets.ingest import turns
+from assets.memories import memories
+from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.retrieval import memory_embeddings
+from qumem_pipeline.adamem.graph import EDGE_TYPES, build_memory_graph, dangling_edges
+from qumem_pipeline.checks import CheckOutcome
+from qumem_pipeline.adamem.profiles import PROFILE_PROMPT_VERSION, build_profiles, uncited_profiles, vectors_for
+from resources import PipelineConfig
+from resources.models import EmbedderResource, LLMResource
+
+GRAPH_NODES, GRAPH_EDGES = "memory_graph_nodes", "memory_graph_edges"
+
+
+def graph_endpoints_exist(nodes: pl.DataFrame, edges: pl.DataFrame) -> CheckOutcome:
+    bad = dangling_edges(nodes, edges)
+    return CheckOutcome(bad.height == 0, f"{bad.height} edges with a missing endpoint",
+                        {"dangling_edges": bad.height, "edges": edges.height})
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[memories, memory_embeddings],
+    pool="gpu",
+    code_version=PROFILE_PROMPT_VERSION,
+    group_name="adamem",
+    kinds={"parquet"},
+    description="Persona profiles: topic/aspect summaries of each user's preference and insight memories "
+    "(near-duplicates grouped by embedding neighbourhood, one LLM merge per group), each citing its memories.",
+    check_specs=[dg.AssetCheckSpec("profiles_cite_existing_memories", asset="persona_profiles", blocking=True)],
+)
+def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource,
+                     embedder: EmbedderResource) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    mems = layout.read_table("memories", users)
+    if mems is None or len(layout.table_files("memories", users)) != len(users):
+        raise dg.Failure("materialize `memories` for every user of the run first")
+    vectors = vectors_for(mems, layout.read_table("memory_embeddings", users), embedder.model)
+    profiles = build_profiles(mems, vectors, llm.backend)
+    for u in users:
+        layout.write_user_table("persona_profiles", u, profiles.filter(pl.col("user_id") == u))
+    bad = uncited_profiles(profiles, mems)
+    outcome = CheckOutcome(not bad, f"{len(bad)} profile entries cite no or unknown memories", {"violations": len(bad)})
+    merged = profiles.filter(pl.col("merged_by") == "llm").height
+    return dg.MaterializeResult(
+        check_results=[check_result("profiles_cite_existing_memories", outcome)],
+        metadata={"users": len(users), "dagster/row_count": profiles.height, "llm_merges": merged,
+                  "fallbacks": profiles.filter(pl.col("merged_by").str.starts_with("fallback")).height,
+                  "prompt_version": PROFILE_PROMPT_VERSION, "seconds": round(time.perf_counter() - t0, 3)},
+    )
+
+
+@dg.asset(
+    partitions_def=users_partitions,
+    backfill_policy=user_backfill_policy,
+    deps=[turns, episodes, memories, persona_profiles],
+    code_version="memory-graph-v1",
+    group_name="adamem",
+    kinds={"parquet"},
+    description="Per-user memory graph (turns, episodes, memories, topics, entities, profile entries; typed "
+    "edges) as Parquet node and edge lists, for AdaMem's route-planned expansion.",
+    check_specs=[dg.AssetCheckSpec("edge_endpoints_exist", asset="memory_graph", blocking=True)],
+)
+def memory_graph(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
+    users = run_user_ids(context)
+    layout = pipeline.layout()
+    t0 = time.perf_counter()
+    all_nodes, all_edges = [], []
+    for u in users:
+        t, e, m = (layout.read_user_table(x, u) for x in ("turns", "episodes", "memories"))
+        if t is None or e is None or m is None:
+            raise dg.Failure(f"user {u}: materialize `turns`, `episodes` and `memories` first")
+        nodes, edges = build_memory_graph(u, t, e, m, layout.read_user_table("persona_profiles", u))
+        layout.write_user_table(GRAPH_NODES, u, nodes)
+        layout.write_user_table(GRAPH_EDGES, u, edges)
+        all_nodes.append(nodes)
+        all_edges.append(edges)
+    nodes, edges = pl.concat(all_nodes), pl.concat(all_edges)
+    by_type = {t: int(n) for t, n in edges.group_by("edge_type").len().rows()}
+    return dg.MaterializeResult(
+        check_results=[check_result("edge_endpoints_exist", graph_endpoints_exist(nodes, edges))],
+        metadata={"users": len(users), "nodes": nodes.height, "dagster/row_count": edges.height,
+                  "edges_by_type": dg.MetadataValue.json({t: by_type.get(t, 0) for t in EDGE_TYPES}),
+                  "seconds": round(time.perf_counter() - t0, 3)},
+    )

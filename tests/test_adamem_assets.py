@@ -1,0 +1,63 @@
+"""AdaMem through Dagster: memory_graph + query_states with QUMEM strategy "adamem", real embedder,
+the fake OpenAI-compatible server as the LLM (a real local HTTP server)."""
+
+import json
+
+import dagster as dg
+import polars as pl
+
+from fake_openai_server import RunningFakeServer
+from tests import adamem_data as data
+from tests.conftest import write_jsonl
+
+RESEARCH = {"facts": [{"statement": "adoption meeting", "memory_ids": ["M1", "M2", "M3"]}],
+            "preference_trajectory": [], "insights": [], "sufficient": True, "follow_up": ""}
+SCRIPT = {"model": "fake-model", "rules": [
+    {"match": "research agent", "responses": [{"json": RESEARCH}]},
+    {"match": "working agent", "responses": [{"json": {"answer": "On Monday."}}]},
+]}
+
+
+def test_query_states_asset_runs_adamem_strategy(tmp_path):
+    from assets.adamem import memory_graph
+    from assets.query_states import query_states
+    from qumem_pipeline.storage import DataLayout
+    from resources import PipelineConfig
+    from resources.models import EmbedderResource, LLMResource
+
+    root = tmp_path / "data"
+    layout = DataLayout(root)
+    layout.write_user_table("turns", data.USER, data.turns())
+    layout.write_user_table("episodes", data.USER, data.episodes())
+    layout.write_user_table("memories", data.USER, data.memories())
+    queries = write_jsonl(tmp_path / "q.jsonl", [
+        {"query_id": "q-early", "user_id": data.USER, "query": "When did Caroline go to the adoption meeting?", "as_of_turn": 2},
+        {"query_id": "q-late", "user_id": data.USER, "query": "What did Melanie paint?", "as_of_turn": 11},
+    ])
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("users", [data.USER])
+    with RunningFakeServer(SCRIPT, tmp_path / "srv") as srv:
+        res = dg.materialize(
+            [memory_graph, query_states], instance=instance, partition_key=data.USER,
+            resources={
+                "pipeline": PipelineConfig(data_root=str(root), archive_path=str(tmp_path), queries_path=str(queries),
+                                           query_strategy="adamem"),
+                "llm": LLMResource(kind="openai", base_url=srv.base_url, model="fake-model"),
+                "embedder": EmbedderResource(device="cpu"),
+            },
+        )
+        sent = srv.requests()
+    assert res.success
+    checks = {e.asset_check_key.name: e.passed for e in res.get_asset_check_evaluations()}
+    assert checks == {"edge_endpoints_exist": True, "no_citation_after_as_of": True}
+    states = layout.read_user_table("query_states", data.USER)
+    rows = {r["query_id"]: r for r in states.iter_rows(named=True)}
+    assert set(rows) == {"q-early", "q-late"} and set(states["strategy"]) == {"adamem"}
+    assert all(r["response"] == "On Monday." for r in rows.values())
+    # as_of turn 2: no candidate and no cited turn after it
+    assert rows["q-early"]["candidates"] and all(c["position"] <= 2 for c in rows["q-early"]["candidates"])
+    assert rows["q-early"]["cited_turn_ids"] and max(rows["q-early"]["cited_turn_ids"]) <= 2
+    assert len(rows["q-late"]["candidates"]) == 10  # top-k 10 by default
+    # one research round and one working round, each one batch of both queries
+    prompts = [json.dumps(r["body"]["messages"]) for r in sent if r["path"].endswith("/chat/completions")]
+    assert sum("research agent" in p for p in prompts) == 2 and sum("working agent" in p for p in prompts) == 2
