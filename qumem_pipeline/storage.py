@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 import polars as pl
-import pyarrow.parquet as pq
 
 from qumem_pipeline.ids import validate_user_id
 from qumem_pipeline.schema import UNATTRIBUTED
@@ -22,6 +21,13 @@ TMP_PREFIX = ".tmp-"
 # Renames are atomic against process crashes without fsync; QUMEM_FSYNC=1 also survives power
 # loss (costs ~2 ms per file here). Every stage is idempotent, so a rerun repairs either way.
 FSYNC = os.environ.get("QUMEM_FSYNC", "0") == "1"
+
+
+def write_parquet(df: pl.DataFrame, path: str | os.PathLike) -> None:
+    """Encode one file with polars' native writer (zstd, statistics on; the GIL is released, so
+    writer threads run in parallel). pyarrow's `write_table` after `to_arrow()` measured ~3x
+    slower on per-user frames, mostly in converting polars' string views."""
+    df.write_parquet(path, compression="zstd", statistics=True)
 
 
 class DataLayout:
@@ -50,7 +56,7 @@ class DataLayout:
         fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".parquet", dir=target.parent)
         os.close(fd)
         try:
-            pq.write_table(df.to_arrow(), tmp, compression="zstd")
+            write_parquet(df, tmp)
             if FSYNC:
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())
