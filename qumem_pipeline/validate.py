@@ -120,7 +120,9 @@ def validate(
     for i, (_, failed, _) in reversed(list(enumerate(checks))):
         code = pl.when(failed.fill_null(False)).then(pl.lit(i, dtype=pl.Int32)).otherwise(code)
     checked = raw.with_columns(_code=code)
-    good = checked.filter(pl.col("_code").is_null())
+    # Filtering copies every text: skip it when no row failed (the common case).
+    all_good = checked["_code"].null_count() == checked.height
+    good = checked if all_good else checked.filter(pl.col("_code").is_null())
     # Reasons are built only for the (few) bad rows.
     bad = checked.filter(pl.col("_code").is_not_null())
     field: pl.Expr = pl.lit(None, dtype=pl.String)
@@ -167,7 +169,7 @@ def _split_duplicates(good: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
         .then(pl.lit("duplicate turn id: turn_index ") + pl.col("turn_index").cast(pl.String) + pl.lit(" already seen for this user"))
         .otherwise(pl.lit("duplicate turn id: source_ref '") + pl.col("source_ref") + pl.lit("' already seen in this conversation")),
     )
-    return marked.filter(~is_dup), dups
+    return (marked if dups.height == 0 else marked.filter(~is_dup)), dups
 
 
 def _later_copies(df: pl.DataFrame, key: list[str], required: str) -> pl.Series:
@@ -219,7 +221,12 @@ def _failure_rows(failures: list[ParseFailure]) -> pl.DataFrame:
 
 def _finalise_turns(good: pl.DataFrame) -> pl.DataFrame:
     """Order each user's history (explicit turn_index first, then source order) and number it 0..N-1."""
-    ordered = good.sort(["user_id", "turn_index", "source_file", "source_row", "_pos"], nulls_last=True)
+    order = good.select(
+        pl.arg_sort_by(["user_id", "turn_index", "source_file", "source_row", "_pos"], nulls_last=True)
+    ).to_series()
+    # Archives written user by user are already in this order: then skip the gather (a copy of every text).
+    in_order = good.height == 0 or (order == pl.int_range(0, good.height, dtype=order.dtype, eager=True)).all()
+    ordered = good if in_order else good[order]
     return ordered.select(
         user_id=pl.col("user_id"),
         conversation_id=pl.col("conversation_id"),
