@@ -101,7 +101,9 @@ def validate(
     now = now or datetime.now(timezone.utc)
     raw = with_parsed_timestamps(imported.raw.with_row_index("_pos"))
     uid = pl.col("user_id")
-    valid_uid = valid_user_id_expr()
+    # The id rule (a regex) runs once per distinct user, not once per row.
+    ids = raw.select(pl.col("user_id").unique())
+    valid_uid = uid.is_in(ids.filter(valid_user_id_expr())["user_id"].implode())
     text_len = pl.col("text").str.len_chars()
     ts = pl.col("_ts")
     checks = [  # (field, failed?, reason) - the first failing check names the row's problem
