@@ -8,6 +8,7 @@ rerun simply overwrites. Every per-user artifact (tables, index files) lives und
 
 import os
 import itertools
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -23,6 +24,29 @@ TMP_PREFIX = ".tmp-"
 # loss (costs ~2 ms per file here). Every stage is idempotent, so a rerun repairs either way.
 FSYNC = os.environ.get("QUMEM_FSYNC", "0") == "1"
 _TMP_SEQ = itertools.count()  # next() on a count is atomic under the GIL
+_TMP_PID = re.compile(re.escape(TMP_PREFIX) + r"(\d+)-")
+
+
+def temp_prefix() -> str:
+    """Temp names carry the writer's pid, so cleanup removes only files whose writer is gone
+    (a concurrent run's in-flight temp file is not an orphan)."""
+    return f"{TMP_PREFIX}{os.getpid()}-"
+
+
+def _writer_alive(name: str) -> bool:
+    m = _TMP_PID.match(name)
+    if m is None:
+        return False  # no pid in the name: left by an older version, an orphan
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def write_parquet(df: pl.DataFrame, path: str | os.PathLike) -> None:
@@ -55,9 +79,9 @@ class DataLayout:
         """Atomically replace one user's partition of `table` (an empty frame is written too)."""
         target = self.user_file(table, user_id)
         target.parent.mkdir(parents=True, exist_ok=True)
-        # A name no other writer uses (process, thread, counter): the writer creates the file
-        # itself, one file creation instead of mkstemp's create + reopen.
-        tmp = target.parent / f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(_TMP_SEQ)}.parquet"
+        # A name no other writer uses (pid, thread, counter): the writer creates the file itself,
+        # one file creation instead of mkstemp's create + reopen.
+        tmp = target.parent / f"{temp_prefix()}{threading.get_ident()}-{next(_TMP_SEQ)}.parquet"
         try:
             write_parquet(df, tmp)
             if FSYNC:
@@ -127,10 +151,14 @@ class DataLayout:
         return removed
 
     def clean_temp_files(self) -> int:
-        """Remove temp files a killed writer left behind; safe because targets are only ever renamed into."""
+        """Remove temp files a killed writer left behind; safe because targets are only ever renamed into.
+
+        Files of a live writer (another run in progress, named by its pid) are left alone."""
         n = 0
         if self.root.exists():
             for p in self.root.rglob(f"{TMP_PREFIX}*"):
+                if _writer_alive(p.name):
+                    continue
                 p.unlink(missing_ok=True)
                 n += 1
         return n

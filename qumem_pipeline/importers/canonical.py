@@ -10,6 +10,7 @@ import glob
 import json
 import mmap
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -176,7 +177,8 @@ def _parse_line(src: str, lineno: int, line: bytes) -> tuple[dict | None, ParseF
     try:
         obj = json.loads(text, object_pairs_hook=_first_key_wins)
     except json.JSONDecodeError as e:
-        return None, ParseFailure(src, lineno, "(line)", f"invalid JSON: {e.msg} at column {e.colno}", escape_raw(text))
+        return None, ParseFailure(src, lineno, "(line)", f"invalid JSON: {e.msg} at column {e.colno}", escape_raw(text),
+                                  user_id=_salvage_user_id(line))
     if not isinstance(obj, dict):
         return None, ParseFailure(src, lineno, "(line)", f"expected a JSON object, got {type(obj).__name__}", escape_raw(text))
     record, problem = coerce_record(obj)
@@ -211,8 +213,12 @@ def coerce_record(obj: dict) -> tuple[dict, tuple[str, str] | None]:
 
 
 def import_parquet_file(path: Path) -> ImportResult:
-    df = pl.read_parquet(path)
     src = str(path)
+    try:
+        df = pl.read_parquet(path)
+    except (pl.exceptions.PolarsError, OSError) as e:  # not Parquet, truncated, empty: one failure for the file
+        reason = f"not a readable Parquet file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        return ImportResult(raw=empty_raw_frame(), failures=[ParseFailure(src, None, "(file)", reason, None)])
     cols = []
     for name, dtype in SOURCE_COLUMNS.items():
         if name not in df.columns:
@@ -247,11 +253,22 @@ def import_parquet_file(path: Path) -> ImportResult:
     return ImportResult(raw=_with_source(out, src, rows), failures=failures)
 
 
+_USER_ID_FIELD = re.compile(r'"user_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
 def _salvage_user_id(line: bytes) -> str | None:
-    """Attribute an undecodable line to its user when the user_id itself is readable."""
+    """Attribute a broken line (bad bytes, truncated JSON) to its user when the user_id is readable.
+
+    Without this a user's broken line lands in the unattributed quarantine, where forgetting
+    the user cannot find it and every re-ingest writes it again."""
+    text = line.decode("utf-8", errors="replace")
     try:
-        obj = json.loads(line.decode("utf-8", errors="replace"))
+        obj = json.loads(text)
+        uid = obj.get("user_id") if isinstance(obj, dict) else None
     except json.JSONDecodeError:
-        return None
-    uid = obj.get("user_id") if isinstance(obj, dict) else None
+        m = _USER_ID_FIELD.search(text)
+        try:
+            uid = json.loads(f'"{m.group(1)}"') if m else None
+        except json.JSONDecodeError:
+            uid = None
     return uid if isinstance(uid, str) and "\ufffd" not in uid else None
