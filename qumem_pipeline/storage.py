@@ -7,13 +7,13 @@ rerun simply overwrites. Every per-user artifact (tables, index files) lives und
 """
 
 import os
+import itertools
 import re
 import shutil
-import tempfile
+import threading
 from pathlib import Path
 
 import polars as pl
-import pyarrow.parquet as pq
 
 from qumem_pipeline.ids import validate_user_id
 from qumem_pipeline.schema import UNATTRIBUTED
@@ -23,6 +23,7 @@ TMP_PREFIX = ".tmp-"
 # Renames are atomic against process crashes without fsync; QUMEM_FSYNC=1 also survives power
 # loss (costs ~2 ms per file here). Every stage is idempotent, so a rerun repairs either way.
 FSYNC = os.environ.get("QUMEM_FSYNC", "0") == "1"
+_TMP_SEQ = itertools.count()  # next() on a count is atomic under the GIL
 _TMP_PID = re.compile(re.escape(TMP_PREFIX) + r"(\d+)-")
 
 
@@ -48,6 +49,13 @@ def _writer_alive(name: str) -> bool:
     return True
 
 
+def write_parquet(df: pl.DataFrame, path: str | os.PathLike) -> None:
+    """Encode one file with polars' native writer (zstd, statistics on; the GIL is released, so
+    writer threads run in parallel). pyarrow's `write_table` after `to_arrow()` measured ~3x
+    slower on per-user frames, mostly in converting polars' string views."""
+    df.write_parquet(path, compression="zstd", statistics=True)
+
+
 class DataLayout:
     """Paths and atomic reads/writes of every per-user table under the data root."""
 
@@ -71,10 +79,11 @@ class DataLayout:
         """Atomically replace one user's partition of `table` (an empty frame is written too)."""
         target = self.user_file(table, user_id)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=".parquet", dir=target.parent)
-        os.close(fd)
+        # A name no other writer uses (pid, thread, counter): the writer creates the file itself,
+        # one file creation instead of mkstemp's create + reopen.
+        tmp = target.parent / f"{temp_prefix()}{threading.get_ident()}-{next(_TMP_SEQ)}.parquet"
         try:
-            pq.write_table(df.to_arrow(), tmp, compression="zstd")
+            write_parquet(df, tmp)
             if FSYNC:
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())

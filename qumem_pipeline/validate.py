@@ -70,19 +70,24 @@ def parse_timestamps(col: pl.Expr) -> pl.Expr:
     return pl.coalesce(with_tz, naive, date_only, from_epoch)
 
 
-def _fast_utc(col: pl.Expr) -> pl.Expr:
-    """The common case, 'YYYY-MM-DDTHH:MM:SS[.f]Z', parsed in one pass."""
-    return col.str.to_datetime("%Y-%m-%dT%H:%M:%S%.fZ", strict=False, time_unit="us").dt.replace_time_zone("UTC")
+# The common formats, each parsed in one cheap pass; the full parser only sees what they miss.
+_FAST_UTC_FORMATS = ("%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%dT%H:%M:%S%.fZ")
 
 
 def with_parsed_timestamps(df: pl.DataFrame) -> pl.DataFrame:
-    """Add `_ts`: fast path for the common format, full parser only for the rows it missed."""
-    df = df.with_columns(_ts=_fast_utc(pl.col("timestamp")))
-    missed = pl.col("_ts").is_null() & pl.col("timestamp").is_not_null()
-    if df.select(missed.any()).item():
-        df = df.with_columns(
-            _ts=pl.when(missed).then(parse_timestamps(pl.col("timestamp"))).otherwise(pl.col("_ts"))
-        )
+    """Add `_ts`: fast formats first, the full parser only for the rows they missed."""
+    ts = pl.col("timestamp")
+    missed = pl.col("_ts").is_null() & ts.is_not_null()
+    df = df.with_columns(
+        _ts=ts.str.to_datetime(_FAST_UTC_FORMATS[0], strict=False, time_unit="us").dt.replace_time_zone("UTC")
+    )
+    for parse in (
+        ts.str.to_datetime(_FAST_UTC_FORMATS[1], strict=False, time_unit="us").dt.replace_time_zone("UTC"),
+        parse_timestamps(ts),
+    ):
+        if not df.select(missed.any()).item():
+            break
+        df = df.with_columns(_ts=pl.when(missed).then(parse).otherwise(pl.col("_ts")))
     return df
 
 
@@ -96,16 +101,18 @@ def validate(
     now = now or datetime.now(timezone.utc)
     raw = with_parsed_timestamps(imported.raw.with_row_index("_pos"))
     uid = pl.col("user_id")
-    valid_uid = valid_user_id_expr()
+    # The id rule (a regex) runs once per distinct user, not once per row.
+    ids = raw.select(pl.col("user_id").unique())
+    valid_uid = uid.is_in(ids.filter(valid_user_id_expr())["user_id"].implode())
     text_len = pl.col("text").str.len_chars()
     ts = pl.col("_ts")
     checks = [  # (field, failed?, reason) - the first failing check names the row's problem
         ("user_id", uid.is_null(), pl.lit("missing user_id")),
         ("user_id", ~valid_uid, pl.lit("invalid user id (allowed: ") + pl.lit(USER_ID_PATTERN.pattern) + pl.lit(", no '..')")),
-        ("conversation_id", pl.col("conversation_id").is_null() | (pl.col("conversation_id").str.strip_chars() == ""), pl.lit("missing conversation_id")),
+        ("conversation_id", _blank(pl.col("conversation_id")), pl.lit("missing conversation_id")),
         ("role", pl.col("role").is_null(), pl.lit("missing role")),
         ("role", ~pl.col("role").is_in(list(ROLES)), pl.lit("unknown role '") + pl.col("role") + pl.lit("' (expected one of user, assistant, other)")),
-        ("text", pl.col("text").is_null() | (pl.col("text").str.strip_chars() == ""), pl.lit("missing text")),
+        ("text", _blank(pl.col("text")), pl.lit("missing text")),
         ("text", text_len > max_text_chars, pl.lit("oversize text: ") + text_len.cast(pl.String) + pl.lit(f" chars > limit {max_text_chars}")),
         ("timestamp", pl.col("timestamp").is_not_null() & ts.is_null(), pl.lit("unparseable timestamp '") + pl.col("timestamp").str.slice(0, 64) + pl.lit("'")),
         ("timestamp", ts > pl.lit(now + FUTURE_TOLERANCE), pl.lit("timestamp in the future: ") + pl.col("timestamp").str.slice(0, 64)),
@@ -115,7 +122,9 @@ def validate(
     for i, (_, failed, _) in reversed(list(enumerate(checks))):
         code = pl.when(failed.fill_null(False)).then(pl.lit(i, dtype=pl.Int32)).otherwise(code)
     checked = raw.with_columns(_code=code)
-    good = checked.filter(pl.col("_code").is_null())
+    # Filtering copies every text: skip it when no row failed (the common case).
+    all_good = checked["_code"].null_count() == checked.height
+    good = checked if all_good else checked.filter(pl.col("_code").is_null())
     # Reasons are built only for the (few) bad rows.
     bad = checked.filter(pl.col("_code").is_not_null())
     field: pl.Expr = pl.lit(None, dtype=pl.String)
@@ -139,22 +148,44 @@ def validate(
     return ValidationResult(turns=_finalise_turns(good), quarantine=quarantine)
 
 
+def _blank(col: pl.Expr) -> pl.Expr:
+    """Null or whitespace only; a search for one non-space character copies no text (strip_chars would)."""
+    return col.is_null() | ~col.str.contains(r"\S")
+
+
 def _split_duplicates(good: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Keep the first occurrence of each turn id; later copies are quarantined, naming the first."""
-    good = good.sort("_pos")
-    first_pos_idx = pl.col("_pos").first().over(["user_id", "turn_index"])
-    first_pos_ref = pl.col("_pos").first().over(["user_id", "conversation_id", "source_ref"])
-    dup_idx = pl.col("turn_index").is_not_null() & (first_pos_idx != pl.col("_pos"))
-    dup_ref = pl.col("source_ref").is_not_null() & (first_pos_ref != pl.col("_pos"))
+    """Keep the first occurrence of each turn id; later copies are quarantined, naming the first.
+
+    Rows are in source order (`_pos`), so "first" is `is_first_distinct`. A 64-bit row hash
+    finds the few candidates cheaply; the exact comparison runs on those candidates only.
+    """
     marked = good.with_columns(
-        _field=pl.when(dup_idx).then(pl.lit("turn_index")).when(dup_ref).then(pl.lit("source_ref")).otherwise(None),
-        _reason=pl.when(dup_idx)
-        .then(pl.lit("duplicate turn id: turn_index ") + pl.col("turn_index").cast(pl.String) + pl.lit(" already seen for this user"))
-        .when(dup_ref)
-        .then(pl.lit("duplicate turn id: source_ref '") + pl.col("source_ref") + pl.lit("' already seen in this conversation"))
-        .otherwise(None),
+        _dup_idx=_later_copies(good, ["user_id", "turn_index"], "turn_index"),
+        _dup_ref=_later_copies(good, ["user_id", "conversation_id", "source_ref"], "source_ref"),
     )
-    return marked.filter(pl.col("_field").is_null()), marked.filter(pl.col("_field").is_not_null())
+    is_dup = pl.col("_dup_idx") | pl.col("_dup_ref")
+    # Reasons are built for the duplicates only (a when/then over every row would build them all).
+    dups = marked.filter(is_dup).with_columns(
+        _field=pl.when(pl.col("_dup_idx")).then(pl.lit("turn_index")).otherwise(pl.lit("source_ref")),
+        _reason=pl.when(pl.col("_dup_idx"))
+        .then(pl.lit("duplicate turn id: turn_index ") + pl.col("turn_index").cast(pl.String) + pl.lit(" already seen for this user"))
+        .otherwise(pl.lit("duplicate turn id: source_ref '") + pl.col("source_ref") + pl.lit("' already seen in this conversation")),
+    )
+    return (marked if dups.height == 0 else marked.filter(~is_dup)), dups
+
+
+def _later_copies(df: pl.DataFrame, key: list[str], required: str) -> pl.Series:
+    """True for each row whose `key` (with `required` not null) already appeared earlier."""
+    none = pl.repeat(False, df.height, dtype=pl.Boolean, eager=True)
+    if df.height == 0 or df[required].null_count() == df.height:
+        return none
+    has_key = pl.col(required).is_not_null()
+    maybe = df.select((has_key & pl.struct(key).hash().is_duplicated()).alias("m")).to_series()
+    if not maybe.any():
+        return maybe
+    cand = df.with_row_index("_i").filter(maybe)
+    later = cand.filter(~pl.struct(key).is_first_distinct())["_i"]
+    return none.scatter(later, True)
 
 
 def _quarantine_rows(df: pl.DataFrame) -> pl.DataFrame:
@@ -192,7 +223,12 @@ def _failure_rows(failures: list[ParseFailure]) -> pl.DataFrame:
 
 def _finalise_turns(good: pl.DataFrame) -> pl.DataFrame:
     """Order each user's history (explicit turn_index first, then source order) and number it 0..N-1."""
-    ordered = good.sort(["user_id", "turn_index", "source_file", "source_row", "_pos"], nulls_last=True)
+    order = good.select(
+        pl.arg_sort_by(["user_id", "turn_index", "source_file", "source_row", "_pos"], nulls_last=True)
+    ).to_series()
+    # Archives written user by user are already in this order: then skip the gather (a copy of every text).
+    in_order = good.height == 0 or (order == pl.int_range(0, good.height, dtype=order.dtype, eager=True)).all()
+    ordered = good if in_order else good[order]
     return ordered.select(
         user_id=pl.col("user_id"),
         conversation_id=pl.col("conversation_id"),

@@ -1,17 +1,19 @@
 """Canonical JSONL / Parquet archives: a file, a directory of files, or a glob.
 
-JSONL takes a fast path (polars reads the whole file with the raw schema); only when that
-fails (a truncated line, bad bytes, a wrong type) is the file re-read line by line, so the
-bad lines become ParseFailures and every good line of the same file still arrives.
+JSONL takes a fast path (polars reads the whole file with the raw schema, no per-line Python);
+only when that fails (a truncated line, bad bytes, a wrong type) is the file re-read line by
+line, so the bad lines become ParseFailures and every good line of the same file still arrives.
+Both paths give the same table for the same file (tests/test_importer_canonical.py).
 """
 
 import glob
-import io
 import json
+import mmap
 import os
 import re
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from qumem_pipeline.importers.base import (
@@ -68,47 +70,77 @@ def import_canonical(path: str | os.PathLike) -> ImportResult:
 
 
 def import_jsonl_file(path: Path) -> ImportResult:
-    data = path.read_bytes()
     try:
-        df = pl.read_ndjson(io.BytesIO(data), schema=SOURCE_COLUMNS)
-        nonblank = _nonblank_line_numbers(data)
-        if len(nonblank) != df.height:
-            raise ValueError("row count mismatch; re-read line by line")
-        if df.select(_maybe_coerced_structure().any()).item():
-            raise ValueError("a JSON object/array/boolean may have been turned into text; re-read line by line")
-        return ImportResult(raw=_with_source(df, str(path), nonblank))
+        df = pl.read_ndjson(path, schema=SOURCE_COLUMNS, row_index_name="source_row", row_index_offset=1)
     except Exception:  # noqa: BLE001 - any fast-path failure means: find the bad lines one by one
-        return _import_jsonl_lines(path, data)
+        return _import_jsonl_lines(path, path.read_bytes())
+    if df.height != _count_lines(path):
+        # Blank lines (polars skips them): number the rows by the non-blank lines instead.
+        data = path.read_bytes()
+        nonblank = [i + 1 for i, line in enumerate(data.split(b"\n")) if line.strip()]
+        if len(nonblank) != df.height:
+            return _import_jsonl_lines(path, data)
+        df = df.with_columns(source_row=pl.Series(nonblank, dtype=pl.Int64))
+    df = df.with_columns(source_file=pl.lit(str(path), dtype=pl.String), source_row=pl.col("source_row").cast(pl.Int64))
+    df = df.select(list(RAW_COLUMNS))
+    suspect = df.select(_suspect_expr()).to_series()
+    if not suspect.any():
+        return ImportResult(raw=df)
+    return _reparse_rows(path, path.read_bytes(), df, suspect)
 
 
-def _maybe_coerced_structure() -> pl.Expr:
-    """read_ndjson turns objects, arrays and booleans in a String column into text ('{"a": 1}',
-    'true'); the line-by-line path rejects them. Any value that could be such text sends the
-    file down that path, so both paths classify every line the same way."""
-    return pl.any_horizontal(
-        [pl.col(c).str.starts_with("{") | pl.col(c).str.starts_with("[") | pl.col(c).is_in(["true", "false"])
-         for c in STRING_FIELDS]
-    ).fill_null(False)
+def _count_lines(path: Path, block: int = 1 << 24) -> int:
+    """Lines in the file (a last line without "\\n" counts), counted on a memory map: no copy.
+
+    polars skips blank lines and fails on a line holding anything but one object, so
+    `rows == lines` means no blank lines and row i is line i (no per-line Python).
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = np.frombuffer(mm, dtype=np.uint8)
+            n = sum(int(np.count_nonzero(view[i : i + block] == 10)) for i in range(0, size, block))
+            last = int(view[-1])
+            del view  # release the buffer before the map closes
+    return n + (last != 10)
 
 
-_BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")  # literal-led: re's fast scan for "\n" applies
+# polars turns any JSON value in a String column into text: a number into digits, true/false,
+# an object or array into its JSON. The line-by-line path treats structures and booleans as
+# errors and may format a float differently, so rows whose text could have come from a
+# non-string value (rare in real archives) are re-read by that path, keeping the two identical.
+# One regex anchored at the start: most values fail it on their first character.
+_MAYBE_NOT_A_STRING = r"^(?:[\[{]|true$|false$|-?\d+\.\d+$|-?\d{16,}$|-0$)"
 
 
-def _nonblank_line_numbers(data: bytes) -> list[int]:
-    """1-based line numbers of the non-blank lines (what read_ndjson returns rows for)."""
-    body = data[:-1] if data.endswith(b"\n") else data
-    n_lines = body.count(b"\n") + 1 if body else 0
-    first_blank = body[:1] in (b"\n", b"\r", b" ", b"\t") and not body.split(b"\n", 1)[0].strip()
-    last_blank = bool(body) and not body.rsplit(b"\n", 1)[-1].strip()
-    if not (first_blank or last_blank or _BLANK_LINE.search(body)):
-        return list(range(1, n_lines + 1))
-    return [i + 1 for i, line in enumerate(data.split(b"\n")) if line.strip()]
+def _suspect_expr() -> pl.Expr:
+    return pl.any_horizontal([pl.col(c).str.contains(_MAYBE_NOT_A_STRING) for c in STRING_FIELDS]).fill_null(False).alias("suspect")
 
 
-def _with_source(df: pl.DataFrame, source_file: str, rows: list[int]) -> pl.DataFrame:
+def _reparse_rows(path: Path, data: bytes, df: pl.DataFrame, suspect: pl.Series) -> ImportResult:
+    """Replace the suspect rows by what the line-by-line path makes of their lines."""
+    line_ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n"))
+    records: list[dict] = []
+    failures: list[ParseFailure] = []
+    src = str(path)
+    for lineno in df.filter(suspect)["source_row"].to_list():
+        start = int(line_ends[lineno - 2]) + 1 if lineno > 1 else 0
+        end = int(line_ends[lineno - 1]) if lineno - 1 < len(line_ends) else len(data)
+        record, failure = _parse_line(src, lineno, data[start:end])
+        if failure is not None:
+            failures.append(failure)
+        elif record is not None:
+            records.append(record)
+    raw = pl.concat([df.filter(~suspect), raw_frame(records)], how="vertical").sort("source_row")
+    return ImportResult(raw=raw, failures=failures)
+
+
+def _with_source(df: pl.DataFrame, source_file: str, rows: pl.Series) -> pl.DataFrame:
     return df.with_columns(
         pl.lit(source_file, dtype=pl.String).alias("source_file"),
-        pl.Series("source_row", rows, dtype=pl.Int64),
+        rows.alias("source_row"),
     ).select(list(RAW_COLUMNS))
 
 
@@ -119,37 +151,44 @@ def _import_jsonl_lines(path: Path, data: bytes) -> ImportResult:
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            failures.append(
-                ParseFailure(src, lineno, "(line)", f"not valid UTF-8 at byte {e.start}", escape_raw(line),
-                             user_id=_salvage_user_id(line))
-            )
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            failures.append(
-                ParseFailure(src, lineno, "(line)", f"invalid JSON: {e.msg} at column {e.colno}", escape_raw(text),
-                             user_id=_salvage_user_id(line))
-            )
-            continue
-        if not isinstance(obj, dict):
-            failures.append(
-                ParseFailure(src, lineno, "(line)", f"expected a JSON object, got {type(obj).__name__}", escape_raw(text))
-            )
-            continue
-        record, problem = coerce_record(obj)
-        if problem is not None:
-            field, reason = problem
-            uid = obj.get("user_id") if isinstance(obj.get("user_id"), str) else None
-            failures.append(ParseFailure(src, lineno, field, reason, escape_raw(text), user_id=uid))
-            continue
-        record["source_file"] = src
-        record["source_row"] = lineno
-        records.append(record)
+        record, failure = _parse_line(src, lineno, line)
+        if failure is not None:
+            failures.append(failure)
+        elif record is not None:
+            records.append(record)
     return ImportResult(raw=raw_frame(records), failures=failures)
+
+
+def _first_key_wins(pairs: list[tuple[str, object]]) -> dict:
+    """A key given twice keeps its first value, as polars' reader does (json.loads keeps the last)."""
+    out: dict = {}
+    for k, v in pairs:
+        out.setdefault(k, v)
+    return out
+
+
+def _parse_line(src: str, lineno: int, line: bytes) -> tuple[dict | None, ParseFailure | None]:
+    """One JSONL line -> a raw record, or the ParseFailure saying why it cannot be one."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, ParseFailure(src, lineno, "(line)", f"not valid UTF-8 at byte {e.start}", escape_raw(line),
+                                  user_id=_salvage_user_id(line))
+    try:
+        obj = json.loads(text, object_pairs_hook=_first_key_wins)
+    except json.JSONDecodeError as e:
+        return None, ParseFailure(src, lineno, "(line)", f"invalid JSON: {e.msg} at column {e.colno}", escape_raw(text),
+                                  user_id=_salvage_user_id(line))
+    if not isinstance(obj, dict):
+        return None, ParseFailure(src, lineno, "(line)", f"expected a JSON object, got {type(obj).__name__}", escape_raw(text))
+    record, problem = coerce_record(obj)
+    if problem is not None:
+        field, reason = problem
+        uid = obj.get("user_id") if isinstance(obj.get("user_id"), str) else None
+        return None, ParseFailure(src, lineno, field, reason, escape_raw(text), user_id=uid)
+    record["source_file"] = src
+    record["source_row"] = lineno
+    return record, None
 
 
 def coerce_record(obj: dict) -> tuple[dict, tuple[str, str] | None]:
@@ -159,8 +198,11 @@ def coerce_record(obj: dict) -> tuple[dict, tuple[str, str] | None]:
         v = obj.get(name)
         if v is None or isinstance(v, str):
             out[name] = v
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        elif isinstance(v, int) and not isinstance(v, bool):
             out[name] = str(v)
+        elif isinstance(v, float):
+            # 1.0 and 1 are the same id (and polars reads both as "1")
+            out[name] = str(int(v)) if v.is_integer() and abs(v) < 2**53 else str(v)
         else:
             return out, (name, f"expected a string, got {type(v).__name__}")
     ti = obj.get("turn_index")
@@ -205,9 +247,9 @@ def import_parquet_file(path: Path) -> ImportResult:
                              escape_raw(json.dumps(row, default=str)))
             )
         out = out.filter(~bad_mask)
-        rows = [i + 1 for i in range(df.height) if not bad_mask[i]]
+        rows = pl.int_range(1, df.height + 1, dtype=pl.Int64, eager=True).filter(~bad_mask)
     else:
-        rows = list(range(1, df.height + 1))
+        rows = pl.int_range(1, df.height + 1, dtype=pl.Int64, eager=True)
     return ImportResult(raw=_with_source(out, src, rows), failures=failures)
 
 
