@@ -5,6 +5,7 @@ the same home shows every run the CLI made. Dagster is imported only by those co
 
 import argparse
 import json
+import fcntl
 import os
 import shutil
 import sys
@@ -32,10 +33,20 @@ def _instance():
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path.cwd() / ".dagster_home"))).resolve()
     os.environ["DAGSTER_HOME"] = str(home)
     home.mkdir(parents=True, exist_ok=True)
-    cfg = home / "dagster.yaml"
-    if not cfg.exists() and (REPO_ROOT / "dagster.yaml").exists():
-        shutil.copy(REPO_ROOT / "dagster.yaml", cfg)
-    return dg.DagsterInstance.get()
+    # Two commands started at once on a fresh home would both create the SQLite tables and one
+    # fails ("table alembic_version already exists"): set the instance up under a file lock.
+    with open(home / ".qumem-instance.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cfg = home / "dagster.yaml"
+        if not cfg.exists() and (REPO_ROOT / "dagster.yaml").exists():
+            tmp = cfg.with_name(f".dagster.yaml.tmp-{os.getpid()}")
+            shutil.copy(REPO_ROOT / "dagster.yaml", tmp)
+            os.replace(tmp, cfg)
+        instance = dg.DagsterInstance.get()
+        # Touch every storage once so their schema exists before the lock is released.
+        instance.get_runs(limit=1)
+        instance.get_dynamic_partitions("users")
+        return instance
 
 
 def _defs():
