@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import polars as pl  # noqa: E402
 
 from crash_harness import run_pipeline, snapshot, table_rows, temp_files, write_archive  # noqa: E402
 from fake_openai_server import RunningFakeServer  # noqa: E402

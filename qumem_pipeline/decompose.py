@@ -433,8 +433,9 @@ def decompose_episodes(
     restored = checkpoint.load(sorted({e.user_id for e in eps})) if checkpoint is not None else {}
     outcomes: dict[str, CallOutcome] = {}
     todo: list[ChatRequest] = []
-    for req in build_requests(eps, max_tokens=max_tokens, types=types):
-        k = run.key_of(req)
+    requests = build_requests(eps, max_tokens=max_tokens, types=types)
+    keys = [run.key_of(r) for r in requests]
+    for req, k in zip(requests, keys):
         if k in restored:
             outcomes[k] = restored[k]
             stats.reused_calls += len(restored[k].ledger)
@@ -455,8 +456,7 @@ def decompose_episodes(
         outcomes.update((o.key, o) for o in fresh)
         fault_point("decompose.batch")
 
-    return _assemble(eps, [run.key_of(r) for r in build_requests(eps, max_tokens=max_tokens, types=types)],
-                     outcomes, stats, model=run.model, code_version=code_version)
+    return _assemble(eps, keys, outcomes, stats, code_version=code_version)
 
 
 class _CallRunner:
@@ -553,7 +553,7 @@ class _CallRunner:
 
 
 def _assemble(eps: list[Episode], keys: list[str], outcomes: dict[str, CallOutcome], stats: DecomposeStats,
-              *, model: str, code_version: str) -> DecomposeOutput:
+              *, code_version: str) -> DecomposeOutput:
     """The three tables from the outcomes, in request (episode, type) order."""
     by_key = {(e.user_id, e.episode_id): e for e in eps}
     memories: list[dict[str, Any]] = []
