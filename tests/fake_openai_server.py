@@ -102,6 +102,9 @@ def make_handler(state: State):
             resp = state.pick(text)
             state.log({"path": self.path, "body": body, "response": resp, "t": time.time()})
             if resp.get("exit"):
+                # let answers already being written reach their clients, so the server-side log of
+                # answered requests is exactly what clients received; then die without answering
+                time.sleep(0.2)
                 os._exit(3)
             if "hang" in resp:
                 time.sleep(float(resp["hang"]))
