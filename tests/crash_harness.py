@@ -62,14 +62,16 @@ def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout:
     return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _rows_digest(rows: list[dict]) -> str:
-    lines = sorted(json.dumps(r, sort_keys=True, default=str) for r in rows)
+def _rows_digest(rows: list[dict], work: str) -> str:
+    # `source_file` holds the archive's absolute path: compared relative to each run's work dir
+    lines = sorted(json.dumps(r, sort_keys=True, default=str).replace(work, "<work>") for r in rows)
     return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
 
 
 def snapshot(data_root: Path) -> dict[str, str]:
-    """Content hash of every output: Parquet rows (volatile columns dropped, order-free), other files
-    byte for byte (FAISS indexes), and each warehouse table's rows."""
+    """Content hash of every output under `<work>/data`: Parquet rows (volatile columns dropped,
+    order-free), other files byte for byte (FAISS indexes), and each warehouse table's rows."""
+    work = str(data_root.parent)
     out: dict[str, str] = {}
     for p in sorted(data_root.rglob("*")):
         if not p.is_file() or p.name.startswith("warehouse.duckdb"):
@@ -77,7 +79,7 @@ def snapshot(data_root: Path) -> dict[str, str]:
         rel = p.relative_to(data_root).as_posix()
         if p.suffix == ".parquet":
             df = pl.read_parquet(p)
-            out[rel] = _rows_digest(df.drop([c for c in df.columns if c in VOLATILE_COLUMNS]).to_dicts())
+            out[rel] = _rows_digest(df.drop([c for c in df.columns if c in VOLATILE_COLUMNS]).to_dicts(), work)
         else:
             out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
     wh = data_root / "warehouse.duckdb"
@@ -89,7 +91,7 @@ def snapshot(data_root: Path) -> dict[str, str]:
                 cur = con.execute(f'SELECT * FROM "{t}"')
                 cols = [d[0] for d in cur.description]
                 rows = [{c: v for c, v in zip(cols, r) if c not in VOLATILE_COLUMNS} for r in cur.fetchall()]
-                out[f"warehouse:{t}"] = _rows_digest(rows)
+                out[f"warehouse:{t}"] = _rows_digest(rows, work)
     return out
 
 
