@@ -148,6 +148,7 @@ def kill_scenarios(work: Path) -> list[dict]:
         rows.append({"scenario": "kill:none (clean run)", "injected": "-", "recovered": True, "rows_expected": base_rows,
                      "rows_out": base_rows, "rows_quarantined": 0, "rows_lost": 0, "repeated_calls": 0,
                      "wall_s": clean_wall, "slowdown": 1.0})
+        kill_rows = []
         for point, hit in (("episodes.classify", 1), ("decompose.batch", 1), ("index.write", 4), ("warehouse.table", 2)):
             w = work / f"kill-{point}"
             write_archive(w / "archive")
@@ -157,13 +158,22 @@ def kill_scenarios(work: Path) -> list[dict]:
             r = run_pipeline(w, srv.base_url)
             wall = time.perf_counter() - t0
             got = table_rows(w / "data") if r.returncode == 0 else 0
-            rows.append({"scenario": f"kill:{point}", "injected": f"exit 137 at {point} (hit {hit})",
-                         "recovered": k.returncode == 137 and r.returncode == 0 and snapshot(w / "data") == base
-                         and not temp_files(w / "data"),
-                         "rows_expected": base_rows, "rows_out": got, "rows_quarantined": 0, "rows_lost": base_rows - got,
-                         "repeated_calls": len(srv.requests()) - n0 - base_calls, "wall_s": wall,
-                         "slowdown": wall / clean_wall})
-    return rows
+            kill_rows.append({"scenario": f"kill:{point}", "injected": f"exit 137 at {point} (hit {hit})",
+                              "recovered": k.returncode == 137 and r.returncode == 0 and snapshot(w / "data") == base
+                              and not temp_files(w / "data"),
+                              "rows_expected": base_rows, "rows_out": got, "rows_quarantined": 0,
+                              "rows_lost": base_rows - got, "repeated_calls": len(srv.requests()) - n0 - base_calls,
+                              "wall_s": wall})
+        # the first clean run pays cold caches (imports, model files): time a second one, keep the faster
+        again = work / "clean2"
+        write_archive(again / "archive")
+        t0 = time.perf_counter()
+        run_pipeline(again, srv.base_url)
+        clean_wall = min(clean_wall, time.perf_counter() - t0)
+        rows[0]["wall_s"] = clean_wall
+    for r in kill_rows:
+        r["slowdown"] = r["wall_s"] / clean_wall  # killed run + rerun, over one uninterrupted run
+    return rows + kill_rows
 
 
 def bad_rows_scenario(work: Path) -> dict:
