@@ -1,3 +1,4 @@
+import os
 import time
 from datetime import datetime, timezone
 
@@ -10,8 +11,14 @@ from assets.partitions import run_user_ids, user_backfill_policy, users_partitio
 from qumem_pipeline import checks
 from qumem_pipeline.decompose import PROMPT_VERSION, decompose_episodes
 from qumem_pipeline.stage_versions import stage_code_versions
+from qumem_pipeline.decompose_checkpoint import CheckpointStore
+from qumem_pipeline.llm.base import LLMError
 from resources import PipelineConfig
 from resources.models import LLMResource
+
+
+# Episodes per decomposition batch: each batch's finished calls are checkpointed before the next.
+CHECKPOINT_BATCH_EPISODES = int(os.environ.get("QUMEM_DECOMPOSE_BATCH_EPISODES", "64"))
 
 
 def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
@@ -53,12 +60,23 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
         all_eps.append(eps_df.select("episode_id", "turn_ids"))
     context.log.info(f"decomposing {len(inputs)} episodes of {len(users)} users ({3 * len(inputs)} LLM calls)")
     t_llm = time.perf_counter()
-    out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens)
+    store = CheckpointStore(pipeline.data_root)
+    try:
+        out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens,
+                                 checkpoint=store, batch_episodes=CHECKPOINT_BATCH_EPISODES)
+    except LLMError as exc:
+        saved = len(getattr(exc, "finished_outcomes", None) or [])
+        raise dg.Failure(
+            description=f"{exc} Finished LLM calls are checkpointed under {store.layout.table_dir('memory_checkpoints')} "
+            f"({saved} from the last batch); rerun the same users once the endpoint is back and only the "
+            "missing calls are sent."
+        ) from exc
     llm_s = time.perf_counter() - t_llm
     for u in users:
         layout.write_user_table("memories", u, out.memories.filter(pl.col("user_id") == u))
         layout.write_user_table("llm_ledger", u, out.ledger.filter(pl.col("user_id") == u))
         layout.write_or_remove_user_table("memory_quarantine", u, out.quarantine.filter(pl.col("user_id") == u))
+        store.compact(u, out.call_keys_by_user.get(u, set()))
     evidence = checks.evidence_inside_episodes(out.memories, pl.concat(all_eps) if all_eps else pl.DataFrame(
         schema={"episode_id": pl.String, "turn_ids": pl.List(pl.Int64)}))
     s = out.summary
@@ -75,6 +93,7 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
             "dagster/row_count": out.memories.height,
             "memories_by_type": dg.MetadataValue.json(by_type),
             "llm_calls": s["llm_calls"],
+            "llm_calls_reused_from_checkpoint": out.stats.reused_calls,
             "quarantined_calls": out.quarantine.height,
             "calls_per_100_turns": round(s["calls_per_100_turns"], 2),
             "prompt_tokens_per_turn": round(s["prompt_tokens_per_turn"], 1),

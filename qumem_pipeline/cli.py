@@ -72,7 +72,10 @@ def register_users(instance, defs) -> list[str]:
 def run_job(instance, defs, job_name: str, users: list[str], per_run: int) -> list[str]:
     """Run `job_name` over `users` in contiguous partition ranges of at most `per_run` users."""
     from assets.partitions import users_partitions
+    from assets.recovery import fail_dead_runs
 
+    for run_id in fail_dead_runs(instance):  # a killed earlier run would hold its pool slots forever
+        print(f"[{job_name}] marked run {run_id} failed: its process was killed", flush=True)
     wanted = set(users)
     ordered = [k for k in instance.get_dynamic_partitions(users_partitions.name) if k in wanted]
     job = defs.resolve_job_def(job_name)

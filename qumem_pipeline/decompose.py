@@ -23,7 +23,9 @@ from typing import Any
 
 import polars as pl
 
-from qumem_pipeline.llm.base import ChatRequest, LLMBackend
+from qumem_pipeline.decompose_checkpoint import CallOutcome, CheckpointStore, call_key
+from qumem_pipeline.faults import fault_point
+from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError
 from qumem_pipeline.versions import CODE_VERSION
 
 MEMORY_TYPES = ("fact", "preference", "insight")
@@ -298,6 +300,7 @@ class DecomposeStats:
     evidence_ids_dropped: int = 0
     memories_dropped_no_evidence: int = 0
     memories_dropped_empty: int = 0
+    reused_calls: int = 0  # ledger rows restored from a checkpoint instead of sent again
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -367,6 +370,7 @@ class DecomposeOutput:
     ledger: pl.DataFrame
     stats: DecomposeStats
     summary: dict[str, Any]
+    call_keys_by_user: dict[str, set[str]] = field(default_factory=dict)  # checkpoint keys still in use
 
 
 def _prefix_tokens_fn(backend: LLMBackend) -> Callable[[Episode], int] | None:
@@ -404,10 +408,18 @@ def decompose_episodes(
     types: Sequence[str] = MEMORY_TYPES,
     prompt_version: str = PROMPT_VERSION,
     code_version: str = CODE_VERSION,
+    checkpoint: CheckpointStore | None = None,
+    batch_episodes: int | None = None,
 ) -> DecomposeOutput:
-    """Decompose every episode (all users) in one backend batch; retry bad output once, then quarantine.
+    """Decompose every episode (all users); retry bad output once, then quarantine.
 
-    Raises `LLMEndpointError` when the endpoint stays unreachable after the backend's retries.
+    With a `checkpoint`, calls finished by an earlier (crashed or failed) run are restored, not
+    repeated, and the calls go to the backend in batches of `batch_episodes` episodes, each batch's
+    finished calls checkpointed before the next starts. Without one, everything is one batch.
+    The tables come out in episode order either way, so a resumed run equals an uninterrupted one.
+
+    Raises `LLMEndpointError` when the endpoint stays unreachable after the backend's retries;
+    the calls that did finish are checkpointed first.
     """
     if created_at.tzinfo is None:
         created_at = created_at.replace(tzinfo=timezone.utc)
@@ -416,103 +428,151 @@ def decompose_episodes(
     if len(by_key) != len(eps):
         raise ValueError("duplicate (user_id, episode_id) in the episodes handed to decompose_episodes")
     stats = DecomposeStats(episodes=len(eps), turns=sum(len(e.turns) for e in eps))
-    model = backend.model_name
-    backend_name = backend.backend_name
-    prefix_fn = _prefix_tokens_fn(backend)
-    prefix_cache: dict[tuple[str, str], int] = {}
+    run = _CallRunner(backend, created_at=created_at, prompt_version=prompt_version, by_key=by_key)
 
+    restored = checkpoint.load(sorted({e.user_id for e in eps})) if checkpoint is not None else {}
+    outcomes: dict[str, CallOutcome] = {}
+    todo: list[ChatRequest] = []
+    requests = build_requests(eps, max_tokens=max_tokens, types=types)
+    keys = [run.key_of(r) for r in requests]
+    for req, k in zip(requests, keys):
+        if k in restored:
+            outcomes[k] = restored[k]
+            stats.reused_calls += len(restored[k].ledger)
+        else:
+            todo.append(req)
+
+    per_batch = len(todo) if checkpoint is None or not batch_episodes else max(1, batch_episodes) * len(types)
+    for start in range(0, len(todo), max(1, per_batch)):
+        batch = todo[start : start + per_batch]
+        try:
+            fresh = run.run_batch(batch)
+        except LLMError as exc:
+            if checkpoint is not None and getattr(exc, "finished_outcomes", None):
+                checkpoint.append(exc.finished_outcomes)
+            raise
+        if checkpoint is not None:
+            checkpoint.append(fresh)
+        outcomes.update((o.key, o) for o in fresh)
+        fault_point("decompose.batch")
+
+    return _assemble(eps, keys, outcomes, stats, code_version=code_version)
+
+
+class _CallRunner:
+    """Sends one batch of first attempts, retries bad output once, and returns final outcomes."""
+
+    def __init__(self, backend: LLMBackend, *, created_at: datetime, prompt_version: str,
+                 by_key: dict[tuple[str, str], Episode]) -> None:
+        self.backend = backend
+        self.model = backend.model_name
+        self.created_at = created_at
+        self.prompt_version = prompt_version
+        self.by_key = by_key
+        self._prefix_fn = _prefix_tokens_fn(backend)
+        self._prefix_cache: dict[tuple[str, str], int] = {}
+
+    def key_of(self, req: ChatRequest) -> str:
+        md = req.metadata
+        return call_key(md["user_id"], md["episode_id"], md["type"], req.messages, self.prompt_version,
+                        self.model, req.max_tokens if md["attempt"] == 1 else md["first_max_tokens"])
+
+    def run_batch(self, batch: list[ChatRequest]) -> list[CallOutcome]:
+        done: list[CallOutcome] = []
+        first_rows: dict[str, dict[str, Any]] = {}
+        pending = batch
+        for attempt in (1, 2):
+            if not pending:
+                break
+            try:
+                results = self.backend.generate(pending)
+            except LLMError as exc:
+                partial = getattr(exc, "partial_results", None) or []
+                finished = []
+                for req, res in zip(pending, partial):
+                    if res is not None and (res.ok or attempt == 2):
+                        finished.append(self._finish(req, res, attempt, first_rows))
+                exc.finished_outcomes = done + finished  # type: ignore[attr-defined]
+                raise
+            if len(results) != len(pending):
+                raise RuntimeError(f"backend returned {len(results)} results for {len(pending)} requests")
+            retry: list[ChatRequest] = []
+            for req, res in zip(pending, results):
+                if res.ok or attempt == 2:
+                    done.append(self._finish(req, res, attempt, first_rows))
+                    continue
+                md = req.metadata
+                first_rows[self.key_of(req)] = self._ledger_row(req, res, attempt, "retried")
+                new_tokens = req.max_tokens * 2 if res.error_kind == "length" else req.max_tokens
+                retry.append(ChatRequest(
+                    request_id=_request_id(self.by_key[(md["user_id"], md["episode_id"])], md["type"], 2),
+                    messages=req.messages, json_schema=req.json_schema, constraint_schema=req.constraint_schema,
+                    max_tokens=new_tokens, schema_name=req.schema_name,
+                    metadata={**md, "attempt": 2, "first_error": res.error, "first_max_tokens": req.max_tokens},
+                ))
+            pending = retry
+        return done
+
+    def _finish(self, req: ChatRequest, res: ChatResult, attempt: int, first_rows: dict) -> CallOutcome:
+        md = req.metadata
+        key = self.key_of(req)
+        ledger = [first_rows[key]] if attempt == 2 else []
+        quarantine = None
+        if res.ok:
+            ledger.append(self._ledger_row(req, res, attempt, "ok"))
+        else:
+            ledger.append(self._ledger_row(req, res, attempt, "quarantined"))
+            quarantine = {
+                "user_id": md["user_id"], "episode_id": md["episode_id"], "type": md["type"],
+                "request_id": req.request_id,
+                "reason": f"{res.error} (first attempt: {md.get('first_error')})" if attempt == 2 else str(res.error),
+                "raw": res.raw_text, "attempts": attempt, "model": self.model,
+                "prompt_version": self.prompt_version,
+            }
+        return CallOutcome(key=key, user_id=md["user_id"], episode_id=md["episode_id"], type=md["type"],
+                           status="ok" if res.ok else "quarantined", output=res.parsed if res.ok else None,
+                           quarantine=quarantine, ledger=ledger, created_at=self.created_at)
+
+    def _ledger_row(self, req: ChatRequest, res: ChatResult, attempt: int, status: str) -> dict[str, Any]:
+        md = req.metadata
+        ep = self.by_key[(md["user_id"], md["episode_id"])]
+        key = (ep.user_id, ep.episode_id)
+        if key not in self._prefix_cache and self._prefix_fn is not None:
+            self._prefix_cache[key] = self._prefix_fn(ep)
+        shared = self._prefix_cache.get(key)
+        if shared is None:
+            shared = _estimated_prefix_tokens(ep, res.prompt_tokens, md["type"])
+        return {
+            "request_id": req.request_id, "user_id": ep.user_id, "episode_id": ep.episode_id, "type": md["type"],
+            "attempt": attempt, "status": status, "episode_turns": len(ep.turns),
+            "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+            "cached_tokens": res.cached_tokens, "shared_prefix_tokens": shared, "latency_s": res.latency_s,
+            "transport_attempts": res.attempts, "backend": self.backend.backend_name, "model": self.model,
+            "prompt_version": self.prompt_version,
+        }
+
+
+def _assemble(eps: list[Episode], keys: list[str], outcomes: dict[str, CallOutcome], stats: DecomposeStats,
+              *, code_version: str) -> DecomposeOutput:
+    """The three tables from the outcomes, in request (episode, type) order."""
+    by_key = {(e.user_id, e.episode_id): e for e in eps}
     memories: list[dict[str, Any]] = []
     quarantine: list[dict[str, Any]] = []
     ledger: list[dict[str, Any]] = []
-
-    pending = build_requests(eps, max_tokens=max_tokens, types=types)
-    for attempt in (1, 2):
-        if not pending:
-            break
-        results = backend.generate(pending)
-        if len(results) != len(pending):
-            raise RuntimeError(f"backend returned {len(results)} results for {len(pending)} requests")
-        retry: list[ChatRequest] = []
-        for req, res in zip(pending, results):
-            md = req.metadata
-            ep = by_key[(md["user_id"], md["episode_id"])]
-            key = (ep.user_id, ep.episode_id)
-            if key not in prefix_cache and prefix_fn is not None:
-                prefix_cache[key] = prefix_fn(ep)
-            shared = prefix_cache.get(key)
-            if shared is None:
-                shared = _estimated_prefix_tokens(ep, res.prompt_tokens, md["type"])
-            if res.ok:
-                status = "ok"
-                memories.extend(
-                    memories_from_output(
-                        ep,
-                        md["type"],
-                        res.parsed or {},
-                        stats,
-                        model=model,
-                        prompt_version=prompt_version,
-                        code_version=code_version,
-                        created_at=created_at,
-                    )
-                )
-            elif attempt == 1:
-                status = "retried"
-                stats.retries += 1
-                new_tokens = req.max_tokens * 2 if res.error_kind == "length" else req.max_tokens
-                retry.append(
-                    ChatRequest(
-                        request_id=_request_id(ep, md["type"], 2),
-                        messages=req.messages,
-                        json_schema=req.json_schema,
-                        constraint_schema=req.constraint_schema,
-                        max_tokens=new_tokens,
-                        schema_name=req.schema_name,
-                        metadata={**md, "attempt": 2, "first_error": res.error},
-                    )
-                )
-            else:
-                status = "quarantined"
-                stats.quarantined += 1
-                quarantine.append(
-                    {
-                        "user_id": ep.user_id,
-                        "episode_id": ep.episode_id,
-                        "type": md["type"],
-                        "request_id": req.request_id,
-                        "reason": f"{res.error} (first attempt: {md.get('first_error')})",
-                        "raw": res.raw_text,
-                        "attempts": 2,
-                        "model": model,
-                        "prompt_version": prompt_version,
-                        "code_version": code_version,
-                        "created_at": created_at,
-                    }
-                )
-            stats.calls += 1
-            ledger.append(
-                {
-                    "request_id": req.request_id,
-                    "user_id": ep.user_id,
-                    "episode_id": ep.episode_id,
-                    "type": md["type"],
-                    "attempt": attempt,
-                    "status": status,
-                    "episode_turns": len(ep.turns),
-                    "prompt_tokens": res.prompt_tokens,
-                    "completion_tokens": res.completion_tokens,
-                    "cached_tokens": res.cached_tokens,
-                    "shared_prefix_tokens": shared,
-                    "latency_s": res.latency_s,
-                    "transport_attempts": res.attempts,
-                    "backend": backend_name,
-                    "model": model,
-                    "prompt_version": prompt_version,
-                    "created_at": created_at,
-                }
-            )
-        pending = retry
-
+    for k in keys:
+        o = outcomes[k]
+        ledger.extend({**row, "created_at": o.created_at} for row in o.ledger)
+        stats.calls += len(o.ledger)
+        stats.retries += sum(1 for row in o.ledger if row["status"] == "retried")
+        if o.status == "ok":
+            prompt_version = o.ledger[-1]["prompt_version"]
+            memories.extend(memories_from_output(
+                by_key[(o.user_id, o.episode_id)], o.type, o.output or {}, stats, model=o.ledger[-1]["model"],
+                prompt_version=prompt_version, code_version=code_version, created_at=o.created_at,
+            ))
+        else:
+            stats.quarantined += 1
+            quarantine.append({**(o.quarantine or {}), "code_version": code_version, "created_at": o.created_at})
     stats.memories = len(memories)
     mem_df = pl.DataFrame(memories, schema=MEMORY_SCHEMA) if memories else MEMORY_SCHEMA.to_frame()
     mem_df = mem_df.sort(["user_id", "episode_id", "type", "position", "memory_id"])
@@ -520,7 +580,11 @@ def decompose_episodes(
     l_df = pl.DataFrame(ledger, schema=LEDGER_SCHEMA) if ledger else LEDGER_SCHEMA.to_frame()
     summary = summarize_ledger(l_df, n_turns=stats.turns)
     summary.update({f"n_{k}": v for k, v in stats.as_dict().items()})
-    return DecomposeOutput(memories=mem_df, quarantine=q_df, ledger=l_df, stats=stats, summary=summary)
+    keys_by_user: dict[str, set[str]] = {}
+    for k in keys:
+        keys_by_user.setdefault(outcomes[k].user_id, set()).add(k)
+    return DecomposeOutput(memories=mem_df, quarantine=q_df, ledger=l_df, stats=stats, summary=summary,
+                           call_keys_by_user=keys_by_user)
 
 
 def summarize_ledger(ledger: pl.DataFrame, n_turns: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import polars as pl
 
+from qumem_pipeline.faults import fault_point
 from qumem_pipeline.versions import CODE_VERSION
 
 EPISODE_SCHEMA = {
@@ -203,6 +204,7 @@ def build_episodes_for_users(
     pairs_by_user = {u: user_pairs(t) for u, t in turns_by_user.items()}
     all_pairs = [p for u in turns_by_user for p in pairs_by_user[u]]
     probs = predict_same(all_pairs) if all_pairs else np.zeros(0, dtype=np.float32)
+    fault_point("episodes.classify")  # crash tests: killed after classifying, before any episode is written
     stats = EpisodeStats()
     out: dict[str, pl.DataFrame] = {}
     offset = 0

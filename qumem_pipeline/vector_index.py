@@ -38,6 +38,7 @@ import numpy as np
 import polars as pl
 
 from qumem_pipeline.embeddings import embeddings_matrix
+from qumem_pipeline.faults import fault_point
 from qumem_pipeline.storage import DataLayout, temp_prefix
 
 MEMORY_TYPES = ("fact", "preference", "insight")
@@ -233,6 +234,7 @@ def _write_index_atomic(index: faiss.Index, target: Path) -> None:
     os.close(fd)
     try:
         faiss.write_index(index, tmp)
+        fault_point("index.write")  # crash tests: a written temp file not yet renamed
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import duckdb
 
+from qumem_pipeline.faults import fault_point
 from qumem_pipeline.ids import USER_ID_PATTERN, validate_user_id
 from qumem_pipeline.storage import DataLayout, temp_prefix
 
@@ -123,6 +124,7 @@ class Warehouse:
                 except BaseException:
                     con.execute("ROLLBACK")
                     raise
+                fault_point("warehouse.table")  # crash tests: some tables refreshed, the rest not yet
                 loaded[table] = con.execute(
                     f'SELECT count(*) FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids]
                 ).fetchone()[0]

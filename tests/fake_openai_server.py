@@ -15,17 +15,24 @@ responses are served in order, one per request it matches (the last one repeats)
     {"status": 429, "retry_after": 1}     -> HTTP 429 with a Retry-After header
     {"hang": 5}                           -> sleep 5 s before answering (a client timeout)
     {"drop": true}                        -> close the connection without an answer
+    {"truncate": true}                    -> HTTP 200 headers, then half the body, then close (mid-response)
+    {"exit": true}                        -> the server process dies at once (a crash), no answer
+    {"echo_memory": true}                 -> a completion with one memory citing the transcript's
+                                             first user turn: deterministic, content-dependent output
     {"garbage": "not json at all"}        -> HTTP 200 whose body is not JSON
     {"content": "raw assistant text"}     -> a normal completion carrying this text
     {"json": {...}}                       -> a normal completion carrying json.dumps(value)
     optional on normal ones: "cached_tokens": n, "finish_reason": "length"
 
-Every request received is appended to --log as a JSON line (path, body), for assertions.
+Every request received is appended to --log as a JSON line (path, body, response), for assertions;
+several server processes may share one log (a server that dies and comes back).
 GET /v1/models lists the model; GET /health answers 200.
 """
 
 import argparse
 import json
+import os
+import re
 import sys
 import threading
 import time
@@ -94,6 +101,11 @@ def make_handler(state: State):
             text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
             resp = state.pick(text)
             state.log({"path": self.path, "body": body, "response": resp, "t": time.time()})
+            if resp.get("exit"):
+                # let answers already being written reach their clients, so the server-side log of
+                # answered requests is exactly what clients received; then die without answering
+                time.sleep(0.2)
+                os._exit(3)
             if "hang" in resp:
                 time.sleep(float(resp["hang"]))
             if resp.get("drop"):
@@ -110,36 +122,61 @@ def make_handler(state: State):
                 msg = {"error": {"message": f"scripted {resp['status']}", "type": "server_error"}}
                 self._send(int(resp["status"]), json.dumps(msg).encode(), headers)
                 return
+            if resp.get("truncate"):
+                body_bytes = json.dumps(_completion(body, state.model, '{"memories": []}', resp)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body_bytes)))
+                self.end_headers()
+                self.wfile.write(body_bytes[: len(body_bytes) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(2)
+                except OSError:
+                    pass
+                return
             if "garbage" in resp:
                 self._send(200, str(resp["garbage"]).encode())
                 return
-            content = resp["content"] if "content" in resp else json.dumps(resp.get("json", {}))
-            prompt_tokens = max(1, len(text) // 4)
-            completion_tokens = max(1, len(content) // 4)
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            }
-            if "cached_tokens" in resp:
-                usage["prompt_tokens_details"] = {"cached_tokens": int(resp["cached_tokens"])}
-            payload = {
-                "id": "chatcmpl-fake",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model", state.model),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": resp.get("finish_reason", "stop"),
-                    }
-                ],
-                "usage": usage,
-            }
-            self._send(200, json.dumps(payload).encode())
+            if resp.get("echo_memory"):
+                content = json.dumps(_echo_memory(text))
+            else:
+                content = resp["content"] if "content" in resp else json.dumps(resp.get("json", {}))
+            self._send(200, json.dumps(_completion(body, state.model, content, resp)).encode())
 
     return Handler
+
+
+_TURN_LINE = re.compile(r"^\[(\d+)\] ([^\n]*?): (.*)$", re.M)
+
+
+def _echo_memory(text: str) -> dict:
+    """One memory quoting the first user turn of the transcript (none when there is no user turn)."""
+    for m in _TURN_LINE.finditer(text):
+        if "(user)" in m.group(2) or m.group(2) == "user":
+            return {"memories": [{"content": f"The user said: {m.group(3)[:120]}", "evidence_turn_ids": [int(m.group(1))]}]}
+    return {"memories": []}
+
+
+def _completion(body: dict, model: str, content: str, resp: dict) -> dict:
+    """A chat.completion payload carrying `content`, with usage estimated from the text lengths."""
+    text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+    prompt_tokens = max(1, len(text) // 4)
+    completion_tokens = max(1, len(content) // 4)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if "cached_tokens" in resp:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(resp["cached_tokens"])}
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", model),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                     "finish_reason": resp.get("finish_reason", "stop")}],
+        "usage": usage,
+    }
 
 
 def main() -> None:
@@ -167,7 +204,8 @@ if __name__ == "__main__":
 
 # -- helper for tests: start the server as a real child process --------------------------------
 class RunningFakeServer:
-    def __init__(self, script: dict, workdir, python: str | None = None) -> None:
+    def __init__(self, script: dict, workdir, python: str | None = None, port: int = 0) -> None:
+        """`port`: 0 = any free port; a fixed one lets a test bring a dead server back at the same URL."""
         import subprocess
         from pathlib import Path
 
@@ -177,7 +215,7 @@ class RunningFakeServer:
         self.script_path.write_text(json.dumps(script), encoding="utf-8")
         self.log_path = workdir / "requests.jsonl"
         self.proc = subprocess.Popen(
-            [python or sys.executable, __file__, "--port", "0", "--script", str(self.script_path), "--log", str(self.log_path)],
+            [python or sys.executable, __file__, "--port", str(port), "--script", str(self.script_path), "--log", str(self.log_path)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -187,6 +225,12 @@ class RunningFakeServer:
             raise RuntimeError(f"fake server did not start: {line!r}")
         self.port = int(line.split()[1])
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def answered(self) -> list[dict]:
+        """Requests the server answered with a completion (what a client could have kept)."""
+        ok = ("echo_memory", "json", "content")
+        return [r for r in self.requests() if any(k in r.get("response", {}) for k in ok)
+                and r["response"].get("status", 200) == 200 and "hang" not in r["response"]]
 
     def requests(self) -> list[dict]:
         if not self.log_path.exists():

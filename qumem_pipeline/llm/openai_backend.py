@@ -4,9 +4,16 @@ Requests run concurrently on an httpx.AsyncClient (bounded by a semaphore) from 
 `generate`. Structured output is requested both ways vLLM understands:
 `response_format={"type": "json_schema", ...}` (the OpenAI form) and vLLM's own
 `structured_outputs: {"json": schema}` request field. (vLLM >= 0.12 silently ignores the old
-`guided_json` field, so it is never sent.) Retries with exponential backoff and seeded jitter on
-429 (honouring Retry-After), 5xx, timeouts and connection errors; an endpoint still failing after
-the last retry raises `LLMEndpointError` naming the URL.
+`guided_json` field, so it is never sent.)
+
+Faults, per request: 429 (Retry-After honoured, capped at `max_retry_after_s`), 5xx, timeouts
+(`timeout_s` per request; a hung server is a timeout), dropped or cut connections are retried with
+bounded exponential backoff (`backoff_base_s * 2**n`, capped at `backoff_max_s`, seeded jitter) up to
+`max_retries` times. A body that is not a chat completion (a proxy's HTML page) is retried too, and
+if it persists becomes that request's `invalid_json` result (the caller quarantines it): the server
+answers, so the run goes on. 401/403/404 mean a wrong URL or key and stop at once. A request still
+failing after its retries raises `LLMEndpointError` naming the URL, after every other request of the
+batch has finished; the error's `partial_results` carries those results so the caller can keep them.
 """
 
 import asyncio
@@ -19,6 +26,7 @@ import httpx
 
 from qumem_pipeline.llm.base import (
     ERROR_HTTP,
+    ERROR_INVALID_JSON,
     ERROR_LENGTH,
     BackendBase,
     ChatRequest,
@@ -28,6 +36,8 @@ from qumem_pipeline.llm.base import (
 )
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+CONFIG_STATUS = {401, 403, 404}  # the same for every request: wrong base_url, model route or key
+MALFORMED = "malformed response body"
 
 
 class _Retryable(Exception):
@@ -97,6 +107,7 @@ class OpenAIBackend(BackendBase):
         self.extra_body = dict(extra_body or {})
         self._rng = random.Random(seed)
         self._model = model
+        self._gone: LLMEndpointError | None = None  # set once a request exhausts its retries
 
     # -- model name ---------------------------------------------------------------------------
     @property
@@ -119,7 +130,7 @@ class OpenAIBackend(BackendBase):
                 if not data:
                     raise LLMEndpointError(url, "the server lists no models", attempt + 1)
                 return str(data[0]["id"])
-            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+            except (httpx.TransportError, httpx.HTTPStatusError, ValueError, KeyError, TypeError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 time.sleep(self._backoff(attempt, None))
         raise LLMEndpointError(url, last, self.max_retries + 1)
@@ -165,6 +176,10 @@ class OpenAIBackend(BackendBase):
         async with sem:
             started = time.perf_counter()
             for attempt in range(self.max_retries + 1):
+                if self._gone is not None:
+                    # Another request already used up its retries on this endpoint: fail fast
+                    # instead of spending every queued request's retry budget on a dead server.
+                    raise self._gone
                 try:
                     resp = await client.post(self.url, json=body, headers=self._headers())
                     if resp.status_code in RETRY_STATUS:
@@ -172,6 +187,11 @@ class OpenAIBackend(BackendBase):
                             f"HTTP {resp.status_code}: {resp.text[:200]}",
                             _retry_after_seconds(resp.headers.get("retry-after")),
                         )
+                    if resp.status_code in CONFIG_STATUS:
+                        self._gone = LLMEndpointError(
+                            self.url, f"HTTP {resp.status_code}: {resp.text[:200]} (check base_url, the model name "
+                            "and the API key)", attempt + 1)
+                        raise self._gone
                     if resp.status_code >= 400:
                         # A client error (bad request, context too long): not retried; the caller
                         # quarantines the episode and the run goes on.
@@ -188,7 +208,7 @@ class OpenAIBackend(BackendBase):
                         choice = payload["choices"][0]
                         text = choice["message"].get("content") or ""
                     except (ValueError, KeyError, IndexError, TypeError) as exc:
-                        raise _Retryable(f"malformed response body ({type(exc).__name__}): {resp.text[:200]}")
+                        raise _Retryable(f"{MALFORMED} ({type(exc).__name__}): {resp.text[:200]}")
                     return self._result(req, payload, choice, text, time.perf_counter() - started, attempt + 1)
                 except _Retryable as exc:
                     last_reason = exc.reason
@@ -201,7 +221,13 @@ class OpenAIBackend(BackendBase):
                     delay = self._backoff(attempt, None)
                 if attempt < self.max_retries:
                     await asyncio.sleep(delay)
-        raise LLMEndpointError(self.url, last_reason, self.max_retries + 1)
+        if last_reason.startswith(MALFORMED):
+            # The server is up and answering, just not with a completion for this request.
+            return ChatResult(request_id=req.request_id, parsed=None, raw_text=last_reason,
+                              error=f"{ERROR_INVALID_JSON}: {last_reason}", latency_s=time.perf_counter() - started,
+                              attempts=self.max_retries + 1)
+        self._gone = LLMEndpointError(self.url, last_reason, self.max_retries + 1)
+        raise self._gone
 
     def _result(self, req, payload, choice, text, latency, attempts) -> ChatResult:
         usage = payload.get("usage") or {}
@@ -235,18 +261,31 @@ class OpenAIBackend(BackendBase):
         if not requests:
             return []
         _ = self.model_name  # resolve before fanning out
+        self._gone: LLMEndpointError | None = None
         sem = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         timeout = httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             tasks = [asyncio.ensure_future(self._one(client, sem, r)) for r in requests]
             try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:
+                # Every request runs to its own end (each bounded by its retries), so results that did
+                # succeed are handed back with the error instead of being thrown away.
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            except BaseException:  # cancelled / interrupted: stop the rest
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
+        for o in outcomes:
+            if isinstance(o, BaseException) and not isinstance(o, LLMEndpointError):
+                raise o
+        failed = [o for o in outcomes if isinstance(o, LLMEndpointError)]
+        if failed:
+            err = failed[0]
+            err.partial_results = [None if isinstance(o, BaseException) else o for o in outcomes]
+            err.failed_requests = len(failed)
+            raise err
+        return list(outcomes)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
         try:
