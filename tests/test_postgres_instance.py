@@ -19,7 +19,7 @@ from tests.conftest import REPO_ROOT
 PG_VARS = ("DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_USER", "DAGSTER_PG_PASSWORD", "DAGSTER_PG_DB")
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 
-pytestmark = [pytest.mark.filterwarnings("ignore:Found version mismatch"), pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not os.environ.get("DAGSTER_PG_HOST"),
     reason="DAGSTER_PG_HOST is not set: no PostgreSQL server to test against "
     "(.ci/run starts one: eval \"$(bash scripts/install_system_deps.sh)\")",
