@@ -265,7 +265,7 @@ def build_episodes(convs: list[Conversation], artifact_dir: str | None = None, d
     clf = ContinuityClassifier.load(artifact_dir, device=device)
     turns_by_user = {c.user_id: c.turns for c in convs}
     eps, _ = build_episodes_for_users(
-        turns_by_user, clf.predict_same_proba, threshold=clf.threshold, classifier_version=clf.version
+        turns_by_user, clf.predict_same_proba, rule=clf.rule, classifier_version=clf.version
     )
     return eps, clf.version
 
