@@ -53,6 +53,7 @@ class TrainConfig:
     bucket_chunk: int = 0  # >1: batches per length-sorted chunk (less padding); 0: plain random batches
     max_steps: int | None = None  # for tests: stop after this many optimizer steps
     train_limit: int | None = None  # for tests: use only the first N train pairs
+    cli_args: tuple[str, ...] = ()  # the command-line arguments, recorded in the artifact
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
@@ -138,7 +139,7 @@ def _weights_version(state: dict[str, torch.Tensor]) -> str:
 def _artifact_config(cfg: TrainConfig, seed: int, best: dict, history: list, test_m: dict, n: int,
                      step: int, wall: float, partial: bool = False) -> dict:
     mcfg = cfg.model
-    train_cfg = {k: v for k, v in cfg.__dict__.items() if k != "model"}
+    train_cfg = {k: v for k, v in cfg.__dict__.items() if k not in ("model", "cli_args")}
     return {
         "format": ARTIFACT_FORMAT,
         "version": _weights_version(best["state"]),
@@ -156,7 +157,8 @@ def _artifact_config(cfg: TrainConfig, seed: int, best: dict, history: list, tes
         "partial": partial,
         "train": {**train_cfg, "seed": seed, "n_train_pairs": n, "steps": step,
                   "wall_time_s": round(wall, 1), "torch": torch.__version__,
-                  "command": f"python -m qumem_pipeline.continuity.train --out qumem_pipeline/artifacts/continuity --seed {seed}",
+                  "command": " ".join(["python -m qumem_pipeline.continuity.train", *cfg.cli_args])
+                  if cfg.cli_args else f"python -m qumem_pipeline.continuity.train --seed {seed}",
                   "trained_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
 
@@ -315,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, head_lr=args.head_lr,
                       boundary_weight=args.boundary_weight, threads=args.threads,
                       max_steps=args.max_steps, bucket_chunk=args.bucket_chunk, swap_aug=bool(args.swap_aug),
-                      label_smoothing=args.label_smoothing, train_limit=args.train_limit, model=mcfg)
+                      label_smoothing=args.label_smoothing, train_limit=args.train_limit, model=mcfg,
+                      cli_args=tuple(sys.argv[1:] if argv is None else argv))
     res = train(args.out, args.seed, cfg)
     print(json.dumps({"version": res["version"], "threshold": res["threshold"], "metrics": res["metrics"],
                       "wall_time_s": res["train"]["wall_time_s"]}))
