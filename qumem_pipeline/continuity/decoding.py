@@ -120,3 +120,9 @@ def as_rule(rule_or_threshold: "DecisionRule | float") -> DecisionRule:
     if isinstance(rule_or_threshold, DecisionRule):
         return rule_or_threshold
     return DecisionRule(threshold=float(rule_or_threshold))
+
+
+def rule_of(classifier) -> DecisionRule:
+    """A classifier's decision rule; an object with only a ``threshold`` gets the plain rule."""
+    rule = getattr(classifier, "rule", None)
+    return rule if rule is not None else as_rule(classifier.threshold)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..continuity.decoding import DecisionRule, as_rule
+from ..continuity.decoding import rule_of as classifier_rule
 from . import baselines as bl
 from .metrics import Scores, evaluate
 from .readers import FORMATS, Dialogue, read_dialogues
@@ -46,12 +46,6 @@ def classifier_boundaries(dialogues: list[Dialogue], classifier, batch_size: int
         hyps.append([int(x) for x in rule.boundaries(p_same[pos : pos + n])])
         pos += n
     return hyps
-
-
-def classifier_rule(classifier) -> DecisionRule:
-    """The classifier's decision rule (a bare ``threshold`` attribute is the plain rule)."""
-    rule = getattr(classifier, "rule", None)
-    return rule if rule is not None else as_rule(classifier.threshold)
 
 
 def texttiling_boundaries(dialogues: list[Dialogue], embedder=None, window: int = 2) -> list[list[int]]:
