@@ -48,7 +48,7 @@ def episodes(
     by_user, stats = build_episodes_for_users(
         turns_by_user,
         lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size, progress=progress),
-        threshold=model.threshold,
+        rule=model.rule,
         classifier_version=model.version,
         token_budget=continuity.token_budget,
     )

@@ -121,7 +121,7 @@ def classifier_episodes(path: Path) -> list[dict]:
                    == [sample["conversation"].get("speaker_a")])
         users[uid] = turns.filter(pl.col("user_id") == uid)
     clf = ContinuityClassifier.load()
-    by_user, _ = build_episodes_for_users(users, clf.predict_same_proba, threshold=clf.threshold,
+    by_user, _ = build_episodes_for_users(users, clf.predict_same_proba, rule=clf.rule,
                                           classifier_version=clf.version)
     out = []
     for uid, eps in by_user.items():

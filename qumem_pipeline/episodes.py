@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import polars as pl
 
+from qumem_pipeline.continuity.decoding import DecisionRule, as_rule
 from qumem_pipeline.faults import fault_point
 from qumem_pipeline.versions import CODE_VERSION
 
@@ -76,11 +77,22 @@ def build_units(roles: Sequence[str], turn_indices: Sequence[int], token_counts:
     return [Unit(u, t) for u, t in zip(units, tokens)]
 
 
-def segment(p_same: Sequence[float], threshold: float) -> list[tuple[int, int]]:
-    """Units [start, end) per episode: a boundary wherever P(same) < threshold."""
+def segment(p_same: Sequence[float], rule: DecisionRule | float) -> list[tuple[int, int]]:
+    """Units [start, end) per episode: a boundary wherever the decision rule puts one.
+
+    ``rule`` is the classifier artifact's :class:`DecisionRule` (the same one `qumem eval
+    segmentation` applies); a bare float is the plain rule "boundary where P(same) < threshold".
+    """
     n = len(p_same) + 1
-    starts = [0] + [i + 1 for i, p in enumerate(p_same) if p < threshold]
+    cuts = np.flatnonzero(as_rule(rule).boundaries(p_same)) if len(p_same) else []
+    starts = [0] + [int(i) + 1 for i in cuts]
     return [(s, e) for s, e in zip(starts, starts[1:] + [n])]
+
+
+def _one_rule(rule: DecisionRule | None, threshold: float | None) -> DecisionRule:
+    if (rule is None) == (threshold is None):
+        raise ValueError("pass exactly one of rule= (the classifier's DecisionRule) or threshold=")
+    return rule if rule is not None else as_rule(threshold)
 
 
 def enforce_budget(
@@ -132,13 +144,15 @@ def build_user_episodes(
     turns: pl.DataFrame,
     p_same: np.ndarray,
     *,
-    threshold: float,
+    threshold: float | None = None,
+    rule: DecisionRule | None = None,
     classifier_version: str,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     count_tokens: Callable[[str], int] = estimate_tokens,
     stats: EpisodeStats | None = None,
 ) -> pl.DataFrame:
     """Episodes of one user from their turns and the classifier's P(same) for each user pair."""
+    rule = _one_rule(rule, threshold)
     turns = turns.sort("turn_index")
     if turns.height == 0:
         return pl.DataFrame(schema=EPISODE_SCHEMA)
@@ -154,7 +168,7 @@ def build_user_episodes(
     p = [float(x) for x in p_same]
     if n_user == 0:  # only context turns: one episode, no decisions
         p = []
-    spans, forced, oversize = enforce_budget(segment(p, threshold), p, [u.tokens for u in units], token_budget)
+    spans, forced, oversize = enforce_budget(segment(p, rule), p, [u.tokens for u in units], token_budget)
     ts_by_turn = dict(zip(tis, turns["timestamp"].to_list()))
     role_by_turn = dict(zip(tis, roles))
     rows = []
@@ -195,12 +209,17 @@ def build_episodes_for_users(
     turns_by_user: dict[str, pl.DataFrame],
     predict_same: Callable[[list[tuple[str, str]]], np.ndarray],
     *,
-    threshold: float,
+    threshold: float | None = None,
+    rule: DecisionRule | None = None,
     classifier_version: str,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     count_tokens: Callable[[str], int] = estimate_tokens,
 ) -> tuple[dict[str, pl.DataFrame], EpisodeStats]:
-    """All users' pairs go through the classifier as one batch; then episodes per user."""
+    """All users' pairs go through the classifier as one batch; then episodes per user.
+
+    ``rule``: the classifier's decision rule (``clf.rule``); ``threshold``: the plain rule.
+    """
+    rule = _one_rule(rule, threshold)
     pairs_by_user = {u: user_pairs(t) for u, t in turns_by_user.items()}
     all_pairs = [p for u in turns_by_user for p in pairs_by_user[u]]
     probs = predict_same(all_pairs) if all_pairs else np.zeros(0, dtype=np.float32)
@@ -211,7 +230,7 @@ def build_episodes_for_users(
     for u, t in turns_by_user.items():
         n = len(pairs_by_user[u])
         out[u] = build_user_episodes(
-            t, probs[offset : offset + n], threshold=threshold, classifier_version=classifier_version,
+            t, probs[offset : offset + n], rule=rule, classifier_version=classifier_version,
             token_budget=token_budget, count_tokens=count_tokens, stats=stats,
         )
         offset += n

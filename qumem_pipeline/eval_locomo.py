@@ -264,12 +264,13 @@ def read_memories(path: str | os.PathLike) -> pl.DataFrame:
 
 def build_episodes(convs: list[Conversation], artifact_dir: str | None = None, device=None) -> tuple[dict[str, pl.DataFrame], str]:
     from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.continuity.decoding import rule_of
     from qumem_pipeline.episodes import build_episodes_for_users
 
     clf = ContinuityClassifier.load(artifact_dir, device=device)
     turns_by_user = {c.user_id: c.turns for c in convs}
     eps, _ = build_episodes_for_users(
-        turns_by_user, clf.predict_same_proba, threshold=clf.threshold, classifier_version=clf.version
+        turns_by_user, clf.predict_same_proba, rule=rule_of(clf), classifier_version=clf.version
     )
     return eps, clf.version
 

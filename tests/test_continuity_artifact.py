@@ -34,7 +34,9 @@ def test_artifact_small_and_complete():
 
 
 def test_loads_offline_and_is_merged(clf):
-    assert clf.version.startswith("continuity-minilm-lora-v1-")
+    assert clf.version.startswith("continuity-minilm-lora-v2-")
+    assert clf.config["weights_version"] != clf.version  # the version covers weights + decision rule
+    assert clf.rule.threshold == clf.threshold == clf.config["decision"]["threshold"]
     assert 0.0 < clf.threshold < 1.0
     assert not any(isinstance(m, LoRALinear) for m in clf.net.modules())
 

@@ -41,8 +41,11 @@ def test_train_few_steps_loss_falls(tmp_path):
     assert len(losses) == 8
     assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.05, losses
     cfg_json = json.loads((tmp_path / "art" / "config.json").read_text())
-    assert cfg_json["version"].startswith("continuity-minilm-lora-v1-")
+    assert cfg_json["version"].startswith("continuity-minilm-lora-v2-")
     assert 0.0 < cfg_json["threshold"] < 1.0
+    # the decision rule is chosen on dev at the end of training and stored with the weights
+    assert cfg_json["decision"]["threshold"] == cfg_json["threshold"]
+    assert cfg_json["decision"]["selection"]["chosen_on"] == "TIAGE dev"
     assert (tmp_path / "art" / "adapters.safetensors").stat().st_size < 5_000_000
 
 
@@ -67,5 +70,33 @@ def test_swap_aug_and_cls_mean_pooling(tmp_path):
     from qumem_pipeline.continuity import ContinuityClassifier
 
     clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
+    p = clf.predict_same_proba([(a, b) for a, b in SAME[:2]])
+    assert p.shape == (2,) and np.all((p >= 0) & (p <= 1))
+
+
+def test_seg_pair_features_pool_each_utterance_separately():
+    import torch
+
+    from qumem_pipeline.continuity.model import seg_pair_features
+
+    # [CLS] a a [SEP] | b [SEP] | pad ; hidden states chosen so the two means are easy to check
+    h = torch.tensor([[[9.0, 9.0], [1.0, 2.0], [3.0, 4.0], [2.0, 3.0], [5.0, 1.0], [5.0, 1.0], [7.0, 7.0]]])
+    types = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+    f = seg_pair_features(h, mask, types)
+    a = torch.tensor([15.0 / 4, 18.0 / 4])  # mean of type-0 tokens incl. [CLS] and first [SEP]
+    b = torch.tensor([5.0, 1.0])  # the padded position (7, 7) is ignored
+    torch.testing.assert_close(f[0], torch.cat([h[0, 0], a * b, (a - b).abs()]))
+
+
+def test_seg_pair_pooling_trains_and_loads(tmp_path):
+    pairs = _pairs()
+    cfg = TrainConfig(epochs=1, batch_size=4, max_steps=2, eval_batch_size=8,
+                      model=ModelConfig(max_len=32, lora_r=2, pooling="seg_pair"))
+    train(tmp_path / "art", seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[], log=lambda m: None)
+    from qumem_pipeline.continuity import ContinuityClassifier
+
+    clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
+    assert clf.net.cfg.pooling == "seg_pair" and clf.net.head[-1].in_features == 3 * 384
     p = clf.predict_same_proba([(a, b) for a, b in SAME[:2]])
     assert p.shape == (2,) and np.all((p >= 0) & (p <= 1))

@@ -6,6 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from qumem_pipeline.continuity.decoding import DecisionRule
 from qumem_pipeline.episodes import (
     build_episodes_for_users,
     build_units,
@@ -65,6 +66,29 @@ def test_all_break_gives_one_episode_per_user_utterance():
 
 def test_mixed_decisions():
     assert segment([0.9, 0.1, 0.9, 0.4], 0.5) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_segment_applies_the_artifacts_decision_rule():
+    p = [0.9, 0.5, 0.9, 0.1, 0.2, 0.9]
+    # plain: only the two strong breaks
+    assert segment(p, DecisionRule(0.3)) == [(0, 4), (4, 5), (5, 7)]
+    # + a local dip below 0.6 at gap 1; min segment 2 drops the weaker of the adjacent breaks 3/4
+    rule = DecisionRule(0.3, peak_threshold=0.6, min_segment=2)
+    assert segment(p, rule) == [(0, 2), (2, 4), (4, 7)]
+    assert segment([], rule) == [(0, 1)]
+    df = build_user_episodes(history(["user"] * 7), np.array(p, dtype=np.float32), rule=rule,
+                             classifier_version="v2", token_budget=10_000)
+    assert df["turn_ids"].to_list() == [[0, 1], [2, 3], [4, 5, 6]]
+    # boundary_prob stays the raw classifier output at each episode start
+    assert df["boundary_prob"].to_list()[1:] == pytest.approx([0.5, 0.9])
+
+
+def test_rule_or_threshold_exactly_one():
+    with pytest.raises(ValueError, match="exactly one of rule="):
+        build_user_episodes(history(["user"] * 2), np.array([0.5]), classifier_version="v")
+    with pytest.raises(ValueError, match="exactly one of rule="):
+        build_user_episodes(history(["user"] * 2), np.array([0.5]), threshold=0.5, rule=DecisionRule(0.5),
+                            classifier_version="v")
 
 
 def test_forced_split_at_weakest_link_is_counted():

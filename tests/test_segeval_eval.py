@@ -83,3 +83,35 @@ def test_module_cli_help():
 
     out = subprocess.run([sys.executable, "-m", "qumem_pipeline.segeval", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--format" in out.stdout
+
+
+def test_eval_applies_the_classifiers_decision_rule(clf):
+    """The command turns P(same) into boundaries with the artifact's rule, per dialogue — the same
+    rule object the episodes stage applies."""
+    import copy
+
+    import numpy as np
+
+    from qumem_pipeline.continuity.decoding import DecisionRule
+    from qumem_pipeline.segeval.evaluate import classifier_boundaries
+    from qumem_pipeline.segeval.readers import Dialogue
+
+    texts = ["i adopted a puppy", "she is a golden retriever", "what is your job ?", "i teach maths",
+             "do you like jazz ?", "i play the saxophone"]
+    dialogues = [Dialogue("x", texts, [0, 1, 0, 1, 0]), Dialogue("y", texts[::-1], [0, 1, 0, 1, 0]),
+                 Dialogue("z", ["alone"], [])]
+    per_dialogue = [clf.predict_same_proba(list(zip(d.utterances, d.utterances[1:]))) for d in dialogues]
+    # every gap a boundary vs at most one boundary per 6 utterances: the rule must show in the output
+    rules = [DecisionRule(1.0), DecisionRule(1.0, min_segment=6)]
+    outs = []
+    for rule in rules:
+        c = copy.copy(clf)
+        c.rule = rule
+        got = classifier_boundaries(dialogues, c, batch_size=4)
+        assert got == [rule.boundaries(p).tolist() for p in per_dialogue]
+        outs.append(got)
+    assert outs[0] == [[1] * 5, [1] * 5, []]
+    assert [sum(h) for h in outs[1]] == [1, 1, 0]
+    # the committed artifact's own rule is what the command reports
+    assert clf.rule == DecisionRule.from_config(clf.config)
+    assert np.isclose(clf.threshold, clf.rule.threshold)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .base import base_model_dir, base_weights_sha256, load_tokenizer
+from .decoding import DecisionRule
 from .model import ContinuityNet, ModelConfig
 
 DEFAULT_ARTIFACT_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "continuity"
@@ -82,13 +83,14 @@ class ContinuityClassifier:
     """A loaded continuity model. Use :meth:`load`; then :meth:`predict_same_proba`."""
 
     def __init__(self, net: ContinuityNet, tokenizer, config: dict, device: torch.device,
-                 version: str, threshold: float):
+                 version: str, rule: DecisionRule):
         self.net = net
         self.tokenizer = tokenizer
         self.config = config
         self.device = device
         self.version = version
-        self.threshold = float(threshold)
+        self.rule = rule  # how P(same) becomes boundaries: the artifact's dev-chosen decision rule
+        self.threshold = float(rule.threshold)
         self.max_len = int(net.cfg.max_len)
         self.use_bf16 = device.type == "cuda"
         self.pad_to_multiple = 8 if device.type == "cuda" else 1
@@ -120,7 +122,7 @@ class ContinuityClassifier:
         net.eval()
         dev = resolve_device(device)
         net.to(dev)
-        return cls(net, load_tokenizer(), config, dev, config["version"], config["threshold"])
+        return cls(net, load_tokenizer(), config, dev, config["version"], DecisionRule.from_config(config))
 
     # ------------------------------------------------------------------------------------
     def prepare(self, pairs: Sequence[tuple[str, str]], batch_size: int):
@@ -152,8 +154,9 @@ class ContinuityClassifier:
         return out
 
     def predict_boundaries(self, pairs: Sequence[tuple[str, str]], batch_size: int = 64) -> np.ndarray:
-        """1 where a new event starts (P(same) < threshold)."""
-        return (self.predict_same_proba(pairs, batch_size) < self.threshold).astype(np.int8)
+        """1 where a new event starts, for ``pairs`` = the consecutive pairs of ONE history (the
+        decision rule may look at neighbouring gaps)."""
+        return self.rule.boundaries(self.predict_same_proba(pairs, batch_size))
 
     @torch.inference_mode()
     def raw_forward(self, batches) -> None:

@@ -23,7 +23,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = field(default_factory=lambda: TARGETS_ALL)
-    pooling: str = "cls"  # "cls" | "mean" | "cls_mean" (concat [CLS, mean])
+    pooling: str = "cls"  # "cls" | "mean" | "cls_mean" (concat [CLS, mean]) | "seg_pair" (see forward)
     head_hidden: int = 0  # 0: a single Linear(384, 1)
     head_dropout: float = 0.1
     train_token_type: bool = True
@@ -41,6 +41,21 @@ class ModelConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+def seg_pair_features(hidden: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+    """[CLS, a * b, |a - b|] with a / b the mean token states of each utterance (SBERT-style).
+
+    Why: all-MiniLM-L6-v2 was pre-trained so that mean-pooled states compare by similarity; giving
+    the head each utterance's mean explicitly lets it use that similarity signal (which adds to the
+    plain [CLS] classifier on TIAGE dev) inside the same single forward per pair.
+    """
+    m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    tb = (token_type_ids.unsqueeze(-1) == 1).to(hidden.dtype) * m
+    ta = m - tb
+    a = (hidden * ta).sum(1) / ta.sum(1).clamp_min(1.0)
+    b = (hidden * tb).sum(1) / tb.sum(1).clamp_min(1.0)
+    return torch.cat([hidden[:, 0], a * b, (a - b).abs()], dim=-1)
+
+
 class ContinuityNet(nn.Module):
     def __init__(self, cfg: ModelConfig, bert: nn.Module | None = None, with_lora: bool = True):
         super().__init__()
@@ -52,7 +67,7 @@ class ContinuityNet(nn.Module):
             inject_lora(self.bert, cfg.lora_targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         if cfg.train_token_type:
             self.bert.embeddings.token_type_embeddings.weight.requires_grad_(True)
-        hid = self.bert.config.hidden_size * (2 if cfg.pooling == "cls_mean" else 1)
+        hid = self.bert.config.hidden_size * {"cls_mean": 2, "seg_pair": 3}.get(cfg.pooling, 1)
         if cfg.head_hidden > 0:
             self.head = nn.Sequential(
                 nn.Dropout(cfg.head_dropout),
@@ -68,7 +83,9 @@ class ContinuityNet(nn.Module):
         out = self.bert(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
         ).last_hidden_state
-        if self.cfg.pooling in ("mean", "cls_mean"):
+        if self.cfg.pooling == "seg_pair":
+            pooled = seg_pair_features(out, attention_mask, token_type_ids)
+        elif self.cfg.pooling in ("mean", "cls_mean"):
             m = attention_mask.unsqueeze(-1).to(out.dtype)
             pooled = (out * m).sum(1) / m.sum(1).clamp_min(1.0)
             if self.cfg.pooling == "cls_mean":

@@ -32,6 +32,7 @@ from .base import BASE_MODEL_NAME, base_weights_sha256, load_tokenizer
 from .data import Pair, dialogue_pairs, load_tiage
 from .inference import ADAPTER_FILE, CONFIG_FILE, pad_batch, prepare_batches, tokenize_pairs
 from .model import ContinuityNet, ModelConfig
+from .tune_decoding import rule_metrics, tune, versioned_config, write_config_atomic
 
 ARTIFACT_FORMAT = "continuity-minilm-lora-v1"
 
@@ -52,6 +53,7 @@ class TrainConfig:
     bucket_chunk: int = 0  # >1: batches per length-sorted chunk (less padding); 0: plain random batches
     max_steps: int | None = None  # for tests: stop after this many optimizer steps
     train_limit: int | None = None  # for tests: use only the first N train pairs
+    cli_args: tuple[str, ...] = ()  # the command-line arguments, recorded in the artifact
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
@@ -110,6 +112,16 @@ def choose_threshold(pairs: list[Pair], p_same: np.ndarray) -> tuple[float, dict
     return thr, {"pk": s.pk, "windowdiff": s.windowdiff, "f1": s.f1, "precision": s.precision, "recall": s.recall}
 
 
+def per_dialogue(pairs: list[Pair], values: np.ndarray) -> tuple[list[np.ndarray], list[list[int]]]:
+    """(values, reference gap string) per dialogue, in pair order — what the decision rule sees."""
+    vals: dict[str, list[float]] = {}
+    refs: dict[str, list[int]] = {}
+    for p, v in zip(pairs, values):
+        vals.setdefault(p.dial_id, []).append(float(v))
+        refs.setdefault(p.dial_id, []).append(1 - p.same)
+    return [np.asarray(vals[k]) for k in vals], [refs[k] for k in vals]
+
+
 def metrics_at(pairs: list[Pair], p_same: np.ndarray, thr: float) -> dict:
     refs, hyps = group_boundaries(pairs, p_same < thr)
     s = evaluate(refs, hyps)
@@ -127,7 +139,7 @@ def _weights_version(state: dict[str, torch.Tensor]) -> str:
 def _artifact_config(cfg: TrainConfig, seed: int, best: dict, history: list, test_m: dict, n: int,
                      step: int, wall: float, partial: bool = False) -> dict:
     mcfg = cfg.model
-    train_cfg = {k: v for k, v in cfg.__dict__.items() if k != "model"}
+    train_cfg = {k: v for k, v in cfg.__dict__.items() if k not in ("model", "cli_args")}
     return {
         "format": ARTIFACT_FORMAT,
         "version": _weights_version(best["state"]),
@@ -145,7 +157,8 @@ def _artifact_config(cfg: TrainConfig, seed: int, best: dict, history: list, tes
         "partial": partial,
         "train": {**train_cfg, "seed": seed, "n_train_pairs": n, "steps": step,
                   "wall_time_s": round(wall, 1), "torch": torch.__version__,
-                  "command": f"python -m qumem_pipeline.continuity.train --out qumem_pipeline/artifacts/continuity --seed {seed}",
+                  "command": " ".join(["python -m qumem_pipeline.continuity.train", *cfg.cli_args])
+                  if cfg.cli_args else f"python -m qumem_pipeline.continuity.train --seed {seed}",
                   "trained_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
 
@@ -156,8 +169,10 @@ def _write_artifact(out_dir, state: dict[str, torch.Tensor], config: dict) -> No
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.float().contiguous() for k, v in state.items()}
-    save_file(state, str(out / ADAPTER_FILE), metadata={"version": config["version"]})
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    tmp = out / f".tmp-{ADAPTER_FILE}"
+    save_file(state, str(tmp), metadata={"version": config["version"]})
+    os.replace(tmp, out / ADAPTER_FILE)
+    write_config_atomic(out, config)
 
 
 def _log(msg: str) -> None:
@@ -245,7 +260,8 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
         history.append({"epoch": epoch + 1, "step": step, "threshold": thr, **{f"dev_{k}": v for k, v in dev_m.items()}})
         log(f"epoch {epoch + 1}: dev Pk {dev_m['pk']:.4f} WD {dev_m['windowdiff']:.4f} F1 {dev_m['f1']:.4f} thr {thr:.2f} ({time.time() - t0:.0f}s)")
         if best is None or dev_m["pk"] < best["dev"]["pk"]:
-            best = {"epoch": epoch + 1, "threshold": thr, "dev": dev_m, "state": net.trainable_state()}
+            best = {"epoch": epoch + 1, "threshold": thr, "dev": dev_m, "state": net.trainable_state(),
+                    "p_dev": p_dev}
             if out_dir is not None and checkpoint:  # usable artifact even if the run is cut short
                 _write_artifact(out_dir, best["state"], _artifact_config(
                     cfg, seed, best, history, {}, n, step, time.time() - t0, partial=True))
@@ -255,14 +271,22 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
     if best is None:  # no dev: keep the last state
         best = {"epoch": cfg.epochs, "threshold": 0.5, "dev": {}, "state": net.trainable_state()}
     net.load_trainable_state(best["state"])
+    rule = selection = None
+    if "p_dev" in best:  # the decision rule (threshold + rule parameters) is chosen on dev only
+        rule, selection = tune(*per_dialogue(dev_pairs, best["p_dev"]), seed=seed)
+        log(f"decision rule on dev: {rule.describe()} ({selection['cv_pk']})")
     test_m = {}
     if test_pairs:
         p_test = predict_net(net, tok, test_pairs, mcfg.max_len, cfg.eval_batch_size)
-        test_m = metrics_at(test_pairs, p_test, best["threshold"])
-        log(f"test (epoch {best['epoch']}, thr {best['threshold']:.2f}): Pk {test_m['pk']:.4f} WD {test_m['windowdiff']:.4f} F1 {test_m['f1']:.4f}")
+        test_m = (rule_metrics(rule, *per_dialogue(test_pairs, p_test)) if rule is not None
+                  else metrics_at(test_pairs, p_test, best["threshold"]))
+        log(f"test (epoch {best['epoch']}): Pk {test_m['pk']:.4f} WD {test_m['windowdiff']:.4f} F1 {test_m['f1']:.4f}")
     wall = time.time() - t0
 
     config = _artifact_config(cfg, seed, best, history, test_m, n, step, wall)
+    if rule is not None:
+        config = versioned_config(config, rule, selection)
+        config["metrics"]["dev"] = rule_metrics(rule, *per_dialogue(dev_pairs, best["p_dev"]))
     if out_dir is not None:
         _write_artifact(out_dir, best["state"], config)
         log(f"wrote {out_dir} (version {config['version']}, {wall:.0f}s)")
@@ -279,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-lr", type=float, default=TrainConfig.head_lr)
     ap.add_argument("--boundary-weight", type=float, default=TrainConfig.boundary_weight)
     ap.add_argument("--lora-r", type=int, default=ModelConfig.lora_r)
-    ap.add_argument("--pooling", choices=["cls", "mean", "cls_mean"], default=ModelConfig.pooling)
+    ap.add_argument("--pooling", choices=["cls", "mean", "cls_mean", "seg_pair"], default=ModelConfig.pooling)
     ap.add_argument("--swap-aug", type=int, choices=[0, 1], default=int(TrainConfig.swap_aug),
                     help="1: also train on swapped (b, a) pairs")
     ap.add_argument("--label-smoothing", type=float, default=TrainConfig.label_smoothing)
@@ -293,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, head_lr=args.head_lr,
                       boundary_weight=args.boundary_weight, threads=args.threads,
                       max_steps=args.max_steps, bucket_chunk=args.bucket_chunk, swap_aug=bool(args.swap_aug),
-                      label_smoothing=args.label_smoothing, train_limit=args.train_limit, model=mcfg)
+                      label_smoothing=args.label_smoothing, train_limit=args.train_limit, model=mcfg,
+                      cli_args=tuple(sys.argv[1:] if argv is None else argv))
     res = train(args.out, args.seed, cfg)
     print(json.dumps({"version": res["version"], "threshold": res["threshold"], "metrics": res["metrics"],
                       "wall_time_s": res["train"]["wall_time_s"]}))

@@ -3,7 +3,8 @@
     python -m qumem_pipeline.segeval PATH [--format tiage|segments] [--json]
 
 The classifier judges every adjacent pair of utterances of every dialogue (as in published TIAGE
-numbers): a boundary where P(same) < the artifact's dev-chosen threshold. Metrics: see
+numbers); its P(same) sequence per dialogue becomes boundaries by the artifact's dev-chosen decision
+rule (:mod:`qumem_pipeline.continuity.decoding`), the same rule the episodes stage applies. Metrics: see
 :mod:`.metrics`; baselines: see :mod:`.baselines`.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..continuity.decoding import rule_of as classifier_rule
 from . import baselines as bl
 from .metrics import Scores, evaluate
 from .readers import FORMATS, Dialogue, read_dialogues
@@ -34,15 +36,15 @@ def _score_dict(s: Scores) -> dict:
 
 
 def classifier_boundaries(dialogues: list[Dialogue], classifier, batch_size: int = 64) -> list[list[int]]:
-    pairs, owners = [], []
-    for di, d in enumerate(dialogues):
-        for i in range(len(d.utterances) - 1):
-            pairs.append((d.utterances[i], d.utterances[i + 1]))
-            owners.append(di)
+    """All pairs of all dialogues in one batched pass; then the decision rule per dialogue."""
+    pairs = [(d.utterances[i], d.utterances[i + 1]) for d in dialogues for i in range(len(d.utterances) - 1)]
     p_same = classifier.predict_same_proba(pairs, batch_size=batch_size) if pairs else np.zeros(0, np.float32)
-    hyps: list[list[int]] = [[] for _ in dialogues]
-    for di, p in zip(owners, p_same):
-        hyps[di].append(int(p < classifier.threshold))
+    rule = classifier_rule(classifier)
+    hyps, pos = [], 0
+    for d in dialogues:
+        n = max(0, len(d.utterances) - 1)
+        hyps.append([int(x) for x in rule.boundaries(p_same[pos : pos + n])])
+        pos += n
     return hyps
 
 
@@ -106,7 +108,8 @@ def run_segmentation_eval(path: str, fmt: str | None = None, as_json: bool = Fal
         "n_dialogues_skipped_pk": rows["classifier"].n_skipped,
         "classifier": _score_dict(rows["classifier"]),
         "classifier_version": getattr(classifier, "version", None),
-        "classifier_threshold": getattr(classifier, "threshold", None),
+        "classifier_threshold": classifier_rule(classifier).threshold,
+        "classifier_rule": classifier_rule(classifier).to_json(),
         "baselines": {k: _score_dict(v) for k, v in rows.items() if k != "classifier"},
         "metric_impl": "own (qumem_pipeline.segeval.metrics): nltk pk/windowdiff definitions on the n-1 gap "
                        "string, k=max(2, round(n/n_segments/2)) per dialogue, macro-averaged; boundary F1 micro",
@@ -117,7 +120,7 @@ def run_segmentation_eval(path: str, fmt: str | None = None, as_json: bool = Fal
           f"{result['n_reference_boundaries']} reference boundaries)")
     if rr.warnings:
         print(f"reader warnings: {len(rr.warnings)} (first: {rr.warnings[0]})")
-    print(f"classifier: {result['classifier_version']} (boundary when P(same) < {result['classifier_threshold']})")
+    print(f"classifier: {result['classifier_version']} ({classifier_rule(classifier).describe()})")
     print(format_table(rows))
     sys.stdout.flush()
     if as_json:

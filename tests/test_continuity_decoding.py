@@ -1,0 +1,157 @@
+"""The boundary decision rule on hand-made P(same) sequences, its artifact round trip, and the
+dev-only tuner (nested CV keeps the plain threshold unless a richer rule really generalises)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from qumem_pipeline.continuity.decoding import RULE_NAME, DecisionRule, as_rule
+from qumem_pipeline.continuity.tune_decoding import (
+    ARTIFACT_FORMAT_V2,
+    PkScorer,
+    best_rule,
+    family_rules,
+    tune,
+    versioned_config,
+    write_config_atomic,
+)
+from qumem_pipeline.segeval.metrics import evaluate
+
+
+def b(rule, p):
+    return rule.boundaries(np.array(p, dtype=np.float32)).tolist()
+
+
+def test_plain_threshold_is_strictly_below():
+    r = DecisionRule(0.5)
+    assert r.is_plain_threshold
+    assert b(r, [0.9, 0.1, 0.5, 0.49]) == [0, 1, 0, 1]
+    assert b(r, []) == []
+    assert b(r, [0.2]) == [1]
+    assert as_rule(0.5) == r and as_rule(r) is r
+
+
+def test_peaks_add_strict_local_minima_only():
+    r = DecisionRule(0.3, peak_threshold=0.6)
+    # 0.5 dips below both neighbours -> boundary; 0.2 is below the threshold anyway
+    assert b(r, [0.9, 0.5, 0.9, 0.2, 0.8]) == [0, 1, 0, 1, 0]
+    # a plateau is not a strict minimum; above peak_threshold never counts
+    assert b(r, [0.9, 0.5, 0.5, 0.9]) == [0, 0, 0, 0]
+    assert b(r, [0.9, 0.65, 0.9]) == [0, 0, 0]
+    # edge gaps have one neighbour
+    assert b(r, [0.4, 0.9, 0.9, 0.45]) == [1, 0, 0, 1]
+    assert b(r, [0.4]) == [1]
+
+
+def test_smoothing_uses_existing_neighbours():
+    r = DecisionRule(0.5, smoothing=0.5)
+    np.testing.assert_allclose(r.smoothed([0.9, 0.3, 0.9]), [0.6, 0.6, 0.6])
+    assert b(r, [0.9, 0.3, 0.9]) == [0, 0, 0]  # an isolated dip is smoothed away
+    assert b(r, [0.9, 0.3, 0.3, 0.9]) == [0, 1, 1, 0]  # (0.3 + (0.9+0.3)/2) / 2 = 0.45
+    assert b(r, [0.3]) == [1]  # one gap: nothing to smooth with
+
+
+def test_min_segment_keeps_strongest_first():
+    p = [0.1, 0.2, 0.9, 0.3]
+    assert b(DecisionRule(0.5), p) == [1, 1, 0, 1]
+    assert b(DecisionRule(0.5, min_segment=2), p) == [1, 0, 0, 1]
+    assert b(DecisionRule(0.5, min_segment=3), p) == [1, 0, 0, 1]  # segments of 1 and 3 (gap 0 -> 3)
+    assert b(DecisionRule(0.5, min_segment=4), p) == [1, 0, 0, 0]
+    # the stronger (lower) of two neighbours wins, wherever it is
+    assert b(DecisionRule(0.5, min_segment=2), [0.4, 0.1, 0.9]) == [0, 1, 0]
+
+
+def test_invalid_rules_name_the_field():
+    with pytest.raises(ValueError, match="threshold"):
+        DecisionRule(1.5)
+    with pytest.raises(ValueError, match="peak_threshold"):
+        DecisionRule(0.5, peak_threshold=0.4)
+    with pytest.raises(ValueError, match="smoothing"):
+        DecisionRule(0.5, smoothing=1.0)
+    with pytest.raises(ValueError, match="min_segment"):
+        DecisionRule(0.5, min_segment=0)
+
+
+def test_json_round_trip_and_v1_configs():
+    r = DecisionRule(0.41, 0.55, 0.1, 2)
+    d = json.loads(json.dumps(r.to_json()))
+    assert d["rule"] == RULE_NAME
+    assert DecisionRule.from_json({**d, "selection": {"family": "peaks"}}) == r
+    assert DecisionRule.from_config({"threshold": 0.42}) == DecisionRule(0.42)  # v1 artifact
+    assert DecisionRule.from_config({"threshold": 0.9, "decision": d}) == r
+    with pytest.raises(ValueError, match="unknown decision rule"):
+        DecisionRule.from_json({**d, "rule": "something-else"})
+    with pytest.raises(ValueError, match="window"):
+        DecisionRule.from_json({**d, "window": 3})
+
+
+def test_pk_scorer_matches_metrics():
+    rng = np.random.default_rng(0)
+    refs = [list((rng.random(n) < 0.25).astype(int)) for n in rng.integers(1, 30, size=40)]
+    hyps = [list((rng.random(len(r)) < 0.3).astype(int)) for r in refs]
+    refs.append([])
+    hyps.append([])  # a one-utterance dialogue is skipped by both
+    assert PkScorer(refs)(hyps) == pytest.approx(evaluate(refs, hyps).pk, abs=1e-12)
+
+
+def _dialogues(seed, n_dial, kind):
+    """Synthetic P(same) sequences. ``plain``: boundaries have low P(same), a threshold separates them.
+    ``peaks``: boundaries are isolated dips to 0.6 between 0.9s, while continuing gaps include
+    plateaus of 0.5 — only the local-minimum rule tells them apart."""
+    rng = np.random.default_rng(seed)
+    probs, refs = [], []
+    for _ in range(n_dial):
+        p, r = [], []
+        while len(p) < 14:
+            if kind == "plain":
+                bnd = rng.random() < 0.25
+                p.append(rng.uniform(0.05, 0.35) if bnd else rng.uniform(0.45, 0.95))
+                r.append(int(bnd))
+            else:
+                if rng.random() < 0.4:
+                    p += [0.9, 0.6, 0.9]
+                    r += [0, 1, 0]
+                else:
+                    p += [0.9, 0.5, 0.5]
+                    r += [0, 0, 0]
+        probs.append(np.array(p))
+        refs.append(r)
+    return probs, refs
+
+
+def test_tune_keeps_plain_threshold_when_it_suffices():
+    probs, refs = _dialogues(0, 40, "plain")
+    rule, rep = tune(probs, refs)
+    assert rep["family"] == "plain" and rule.is_plain_threshold
+    assert 0.35 <= rule.threshold <= 0.45
+    assert rep["dev_pk"] == 0.0 and set(rep["cv_pk"]) == {"plain", "peaks", "smooth", "min_segment"}
+
+
+def test_tune_picks_peaks_when_only_peaks_separate():
+    probs, refs = _dialogues(1, 40, "peaks")
+    plain, plain_pk = best_rule(probs, refs, family_rules("plain"))
+    assert plain_pk > 0.1  # no threshold separates 0.6 dips from 0.5 plateaus
+    rule, rep = tune(probs, refs)
+    assert rep["family"] == "peaks"
+    assert rule.peak_threshold is not None and rule.threshold < 0.5 < 0.6 < rule.peak_threshold
+    assert rep["dev_pk"] == 0.0 and rep["cv_pk"]["peaks"] < rep["cv_pk"]["plain"]
+
+
+def test_tune_rejects_misaligned_input():
+    with pytest.raises(ValueError, match="dialogue 1: 2 probabilities for 3 gaps"):
+        tune([np.array([0.5]), np.array([0.5, 0.5])], [[0], [0, 1, 0]])
+
+
+def test_versioned_config_bumps_version_with_the_rule(tmp_path):
+    v1 = {"format": "continuity-minilm-lora-v1", "version": "continuity-minilm-lora-v1-abc", "threshold": 0.42,
+          "metrics": {}}
+    a = versioned_config(v1, DecisionRule(0.42), {"family": "plain"})
+    b_ = versioned_config(v1, DecisionRule(0.42, 0.6), {"family": "peaks"})
+    assert a["format"] == ARTIFACT_FORMAT_V2 and a["version"].startswith(ARTIFACT_FORMAT_V2 + "-")
+    assert a["version"] != b_["version"] and a["weights_version"] == "continuity-minilm-lora-v1-abc"
+    assert versioned_config(a, DecisionRule(0.42), {"family": "plain"})["version"] == a["version"]  # idempotent
+    assert b_["threshold"] == 0.42 and DecisionRule.from_config(b_) == DecisionRule(0.42, 0.6)
+    write_config_atomic(tmp_path, b_)
+    assert json.loads((tmp_path / "config.json").read_text()) == b_
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temp file left behind
