@@ -47,7 +47,7 @@ def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig
     if mems is None or len(layout.table_files("memories", users)) != len(users):
         raise dg.Failure("materialize `memories` for every user of the run first")
     vectors = vectors_for(mems, layout.read_table("memory_embeddings", users), embedder.model)
-    profiles = build_profiles(mems, vectors, llm.backend)
+    profiles = build_profiles(mems, vectors, llm.backend, previous=layout.read_table("persona_profiles", users))
     for u in users:
         layout.write_user_table("persona_profiles", u, profiles.filter(pl.col("user_id") == u))
     bad = uncited_profiles(profiles, mems)

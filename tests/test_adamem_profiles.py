@@ -59,11 +59,32 @@ def test_one_merge_call_per_group_and_citations(embedder):
     assert uncited_profiles(prof, mems.filter(pl.col("memory_id") != "m-paint-1")) == [merged["profile_id"]]
 
 
+def test_finished_merges_are_reused_and_changed_groups_are_merged_again(embedder):
+    """A rerun (crash later in the run, or an unchanged user rebuilt) must not pay for a merge twice."""
+    mems = memories()
+    vecs = vectors_for(mems, None, embedder)
+    first = build_profiles(mems, vecs, ScriptedLLM({"merge": lambda r: json.dumps({"aspect": "painting", "summary": "S1"})}))
+    again = ScriptedLLM({"merge": lambda r: json.dumps({"aspect": "other", "summary": "S2"})})
+    second = build_profiles(mems, vecs, again, previous=first)
+    assert again.batches == [] and second.drop("created_at").equals(first.drop("created_at"))
+    # a new near-duplicate joins the group: a different merge input, so it is merged again
+    extra = mems.filter(pl.col("memory_id") == "m-paint-2").with_columns(
+        memory_id=pl.lit("m-paint-3"), content=pl.lit("Caroline loves painting landscapes a lot."), position=pl.lit(9, dtype=mems.schema["position"]))
+    grown = pl.concat([mems, extra])
+    third = build_profiles(grown, vectors_for(grown, None, embedder), again, previous=first)
+    assert again.batches == [["merge"]]
+    assert third.filter(pl.col("merged_by") == "llm")["summary"].to_list() == ["S2"]
+
+
 def test_failed_merge_falls_back_to_latest_memory(embedder):
     mems = memories()
     prof = build_profiles(mems, vectors_for(mems, None, embedder), ScriptedLLM({"merge": lambda r: "not json"}))
     row = prof.filter(pl.col("merged_by").str.starts_with("fallback")).row(0, named=True)
     assert row["summary"] == "Caroline really loves painting landscapes." and "invalid_json" in row["merged_by"]
+    # answered (unusably) twice is finished: a rerun with the same model and prompt does not ask again
+    rerun = ScriptedLLM({"merge": lambda r: json.dumps({"aspect": "a", "summary": "s"})})
+    again = build_profiles(mems, vectors_for(mems, None, embedder), rerun, previous=prof)
+    assert rerun.batches == [] and again.drop("created_at").equals(prof.drop("created_at"))
 
 
 def test_missing_embedding_is_named():

@@ -67,10 +67,34 @@ def near_duplicate_groups(vectors: np.ndarray, threshold: float = SIMILARITY) ->
     return sorted(groups.values(), key=lambda g: g[0])
 
 
+def profile_id(user_id: str, memory_ids: list[str]) -> str:
+    """Stable id of a group: memory ids hash their content, so equal ids mean an equal merge input."""
+    return hashlib.sha256(f"{user_id}\x1f{'|'.join(sorted(memory_ids))}".encode()).hexdigest()[:16]
+
+
+def reusable_merges(previous: pl.DataFrame | None, model: str) -> dict[str, tuple[str, str, str]]:
+    """profile_id -> (aspect, summary, merged_by) of finished merge calls, same model and prompt version.
+
+    A rerun after a crash later in the run (or a nightly rebuild of an unchanged user) must not pay
+    for the same merge call twice. Finished means answered: merged, or answered unusably twice and
+    fallen back (temperature 0 would answer the same again), as decomposition's checkpoints keep
+    quarantined calls. A changed group has a different profile_id and is merged again.
+    """
+    if previous is None or previous.height == 0:
+        return {}
+    done = previous.filter((pl.col("model") == model) & (pl.col("prompt_version") == PROFILE_PROMPT_VERSION)
+                           & ((pl.col("merged_by") == "llm") | pl.col("merged_by").str.starts_with("fallback")))
+    return {r["profile_id"]: (r["aspect"], r["summary"], r["merged_by"]) for r in done.iter_rows(named=True)}
+
+
 def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: LLMBackend,
-                   created_at: datetime | None = None) -> pl.DataFrame:
-    """Profile entries for every user in ``memories`` (one merge batch for all users' groups)."""
+                   created_at: datetime | None = None, previous: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Profile entries for every user in ``memories`` (one merge batch for all users' groups).
+
+    ``previous``: earlier profile rows of these users; their finished merges are reused, not re-asked.
+    """
     created_at = created_at or datetime.now(timezone.utc)
+    reuse = reusable_merges(previous, llm.model_name)
     mems = memories.filter(pl.col("type").is_in(PROFILE_TYPES)).sort(["user_id", "position", "memory_id"])
     missing = [m for m in mems["memory_id"].to_list() if m not in vectors]
     if missing:
@@ -80,7 +104,8 @@ def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: 
         rows = df.to_dicts()
         vecs = np.stack([vectors[r["memory_id"]] for r in rows]).astype(np.float32)
         groups += [(user_id, [rows[i] for i in g]) for g in near_duplicate_groups(vecs)]
-    merge = [gi for gi, (_, g) in enumerate(groups) if len(g) > 1]
+    pids = [profile_id(u, [r["memory_id"] for r in g]) for u, g in groups]
+    merge = [gi for gi, (_, g) in enumerate(groups) if len(g) > 1 and pids[gi] not in reuse]
     results = dict(zip(merge, _generate_with_retry(llm, [
         ChatRequest(f"{groups[gi][0]}/profile-{gi}/merge",
                     [{"role": "system", "content": MERGE_SYSTEM},
@@ -94,17 +119,19 @@ def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: 
         ids = [r["memory_id"] for r in g]
         latest = max(g, key=lambda r: (r["position"], r["memory_id"]))
         r = results.get(gi)
-        if r is None:
+        if pids[gi] in reuse:
+            aspect, summary, how = reuse[pids[gi]]
+        elif r is None:
             aspect, summary, how = latest["type"], latest["content"], "single"
         elif r.ok and r.parsed["summary"].strip():
             aspect, summary, how = r.parsed["aspect"].strip() or latest["type"], r.parsed["summary"].strip(), "llm"
         else:
             aspect, summary, how = latest["type"], latest["content"], f"fallback: {r.error or 'empty summary'}"[:200]
         out.append({
-            "user_id": user_id, "profile_id": hashlib.sha256(f"{user_id}\x1f{'|'.join(sorted(ids))}".encode()).hexdigest()[:16],
+            "user_id": user_id, "profile_id": pids[gi],
             "aspect": aspect, "summary": summary, "memory_ids": ids, "types": sorted({x["type"] for x in g}),
             "position": int(latest["position"]), "merged_by": how,
-            "model": llm.model_name if r is not None else None, "prompt_version": PROFILE_PROMPT_VERSION,
+            "model": llm.model_name if (r is not None or pids[gi] in reuse) else None, "prompt_version": PROFILE_PROMPT_VERSION,
             "code_version": CODE_VERSION, "created_at": created_at,
         })
     return pl.DataFrame(out, schema=PROFILE_SCHEMA) if out else PROFILE_SCHEMA.to_frame()
