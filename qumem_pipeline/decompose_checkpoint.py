@@ -13,7 +13,6 @@ later-stage crash repeats no call), and, living under `user_id=<id>`, it goes wi
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-import pyarrow.parquet as pq
 
-from qumem_pipeline.storage import FSYNC, PART_FILE, TMP_PREFIX, DataLayout
+from qumem_pipeline.storage import PART_FILE, TMP_PREFIX, DataLayout, atomic_write_parquet
 
 TABLE = "memory_checkpoints"
 
@@ -147,17 +145,4 @@ class CheckpointStore:
         return path
 
     def _write(self, target: Path, rows: list[CallOutcome]) -> Path:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        df = pl.DataFrame([o.to_row() for o in rows], schema=CHECKPOINT_SCHEMA)
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".parquet", dir=target.parent)
-        os.close(fd)
-        try:
-            pq.write_table(df.to_arrow(), tmp, compression="zstd")
-            if FSYNC:
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return target
+        return atomic_write_parquet(pl.DataFrame([o.to_row() for o in rows], schema=CHECKPOINT_SCHEMA), target)

@@ -56,6 +56,25 @@ def write_parquet(df: pl.DataFrame, path: str | os.PathLike) -> None:
     df.write_parquet(path, compression="zstd", statistics=True)
 
 
+def atomic_write_parquet(df: pl.DataFrame, target: Path) -> Path:
+    """Write `target` via a pid-named temp file and a rename: readers see the old file or the new
+    one, never half of one, and a crashed writer leaves only a temp file cleanup can recognise."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # A name no other writer uses (pid, thread, counter): the writer creates the file itself,
+    # one file creation instead of mkstemp's create + reopen.
+    tmp = target.parent / f"{temp_prefix()}{threading.get_ident()}-{next(_TMP_SEQ)}.parquet"
+    try:
+        write_parquet(df, tmp)
+        if FSYNC:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
 class DataLayout:
     """Paths and atomic reads/writes of every per-user table under the data root."""
 
@@ -77,21 +96,7 @@ class DataLayout:
 
     def write_user_table(self, table: str, user_id: str, df: pl.DataFrame) -> Path:
         """Atomically replace one user's partition of `table` (an empty frame is written too)."""
-        target = self.user_file(table, user_id)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # A name no other writer uses (pid, thread, counter): the writer creates the file itself,
-        # one file creation instead of mkstemp's create + reopen.
-        tmp = target.parent / f"{temp_prefix()}{threading.get_ident()}-{next(_TMP_SEQ)}.parquet"
-        try:
-            write_parquet(df, tmp)
-            if FSYNC:
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return target
+        return atomic_write_parquet(df, self.user_file(table, user_id))
 
     def write_or_remove_user_table(self, table: str, user_id: str, df: pl.DataFrame) -> None:
         """For sparse tables (quarantines, query states): rows -> write; none -> drop a stale partition."""
