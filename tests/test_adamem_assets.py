@@ -4,7 +4,6 @@ the fake OpenAI-compatible server as the LLM (a real local HTTP server)."""
 import json
 
 import dagster as dg
-import polars as pl
 
 from fake_openai_server import RunningFakeServer
 from tests import adamem_data as data

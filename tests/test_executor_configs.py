@@ -4,7 +4,6 @@ the vLLM pool configuration loaded and checked against their manifest."""
 import importlib
 import json
 import os
-from pathlib import Path
 
 import dagster as dg
 import pytest

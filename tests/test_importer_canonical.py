@@ -3,7 +3,6 @@
 import json
 import random
 
-import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 

@@ -9,7 +9,6 @@ candidate, query-state citation and every prompt built from memories must stay w
 """
 
 import importlib
-import json
 
 import dagster as dg
 import faiss

@@ -4,7 +4,6 @@
 import json
 import shutil
 
-import dagster as dg
 
 from qumem_pipeline import stage_versions
 from qumem_pipeline.stage_versions import DEFAULT_CLASSIFIER_DIR, stage_code_versions

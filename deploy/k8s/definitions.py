@@ -11,7 +11,6 @@ many GPU steps run at once across runs: raise `pools.default_limit` to the numbe
 
 import os
 
-import dagster as dg
 from dagster_k8s import k8s_job_executor
 
 from assets.definitions import ALL_ASSETS, build_definitions

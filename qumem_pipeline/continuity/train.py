@@ -30,7 +30,7 @@ import torch
 from ..segeval.metrics import evaluate
 from .base import BASE_MODEL_NAME, base_weights_sha256, load_tokenizer
 from .data import Pair, dialogue_pairs, load_tiage
-from .inference import ADAPTER_FILE, CONFIG_FILE, pad_batch, prepare_batches, tokenize_pairs
+from .inference import ADAPTER_FILE, pad_batch, prepare_batches, tokenize_pairs
 from .model import ContinuityNet, ModelConfig
 from .tune_decoding import rule_metrics, tune, versioned_config, write_config_atomic
 
