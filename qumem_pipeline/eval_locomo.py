@@ -14,10 +14,13 @@ Units (each covers a set of turns and costs its own word count):
   last window of a session may be shorter); each size is reported, and ``fixed_chunks`` holds the
   size with the best mean recall over the four budgets (``window_turns`` says which);
 - ``sessions``: a whole session;
-- ``episodes``: the continuity classifier's episodes (``build_episodes_for_users``);
-- ``memories``: typed memories from a memories Parquet table (``--memories``); a memory costs the
-  words of its content and covers its evidence turns. Both speakers' memories are pooled (a
-  question may concern either speaker).
+- ``episodes``: the product's episodes (``build_episodes_for_users``: continuity classifier over
+  the primary user's utterances, the other speaker's turns as context, default token budget);
+  text and cost exactly like windows (speaker prefix included);
+- ``memories``: typed memories from a memories Parquet table (``--memories``), or built here
+  (``--decompose``: every speaker's episodes through the decomposition step with the configured
+  LLM, written per user under ``--memories-out``); a memory costs the words of its content and
+  covers its evidence turns. Both speakers' memories are pooled (a question may concern either).
 
 Both users of a conversation hold the whole conversation (LoCoMo importer), so turn-based units are
 built once from speaker_a's user history; the evidence is the same turns for both.
@@ -28,14 +31,22 @@ which would overspend): its turns are taken in order while they fit, and the tur
 counts as covered only when at least half of its words fit (``MIN_COVER_FRACTION``); a memory is one
 piece, so a truncated memory counts only when at least half of its words fit. Then retrieval stops.
 
-Embedding inputs are truncated at the model's 256 word pieces; long units (sessions, large windows,
-episodes) are embedded from their beginning only - one reason bigger raw units lose with a small
-embedder.
+Scoring multi-turn units (windows, sessions, episodes; ``SCORINGS``): ``text`` embeds the unit's
+text, which MiniLM truncates at 256 word pieces - a 20-turn episode is ranked by its first ~8
+turns only; ``best_turn`` ranks a unit by its best-matching turn; ``mean_turn`` by the mean of its
+turns' vectors. ``--unit-scoring`` picks the headline; ``retrieval_by_scoring`` has all three.
+A unit always costs its whole text, whatever the scoring. ``recall_at_top_units`` (top 1/3/5
+units taken whole, cost ignored) separates ranking quality from unit size; ``units`` gives each
+kind's mean words, mean turns and the share of units longer than the embedder reads.
+
+Slices (``--conversations``, ``--max-sessions N``) keep the QA items whose evidence lies in the
+kept sessions, so every unit kind (memories included) is compared on the same data.
 
 Headline figures (``retrieval``) are over categories 1-4; ``retrieval_with_adversarial`` adds
 category 5 (adversarial). ``per_category`` has every category.
 
-CLI: ``python -m qumem_pipeline.eval_locomo PATH [--json] [--memories PARQUET_DIR] [--limit-conversations N]``;
+CLI: ``python -m qumem_pipeline.eval_locomo PATH [--json] [--memories PARQUET_DIR | --decompose]
+[--conversations IDS] [--max-sessions N] [--unit-scoring text|best_turn|mean_turn]``;
 with ``--json`` the last line printed is one JSON object.
 """
 
@@ -588,7 +599,7 @@ def run_eval(
     # per (unit key, scoring): (category, recall per budget) per item
     per_kind: dict[tuple[str, str], list[tuple[int | None, dict[int, float]]]] = defaultdict(list)
     per_rank: dict[tuple[str, str], list[tuple[int | None, dict[int, float]]]] = defaultdict(list)
-    unit_stats: dict[str, dict] = defaultdict(lambda: {"n_units": 0, "words": 0, "turns": 0, "over_max_seq": 0,
+    unit_stats: dict[str, dict] = defaultdict(lambda: {"n_units": 0, "words": 0, "turns": 0, "over_max_seq": 0, "cross_session": 0,
                                                        "seconds_embedding": 0.0})
     mem_conversations: list[str] = []
     max_seq = getattr(emb, "max_seq_length", None)
@@ -616,6 +627,8 @@ def run_eval(
             st["n_units"] += len(us)
             st["words"] += sum(u.words for u in us)
             st["turns"] += sum(len(u.turn_rows) for u in us)
+            sess = [l[1] for l in conv.lines()]
+            st["cross_session"] += sum(1 for u in us if len({sess[r] for r in u.turn_rows}) > 1)
             if max_seq and hasattr(emb, "tokenizer") and us:
                 lens = [len(x) for x in emb.tokenizer([u.text for u in us], truncation=False)["input_ids"]]
                 st["over_max_seq"] += sum(1 for n in lens if n > max_seq)
@@ -689,6 +702,7 @@ def run_eval(
         "units": {k: {"n_units": v["n_units"], "mean_words": round(v["words"] / max(v["n_units"], 1), 1),
                       "mean_turns": round(v["turns"] / max(v["n_units"], 1), 2),
                       "share_over_embedder_max_seq": round(v["over_max_seq"] / max(v["n_units"], 1), 3),
+                      "share_crossing_sessions": round(v["cross_session"] / max(v["n_units"], 1), 3),
                       "seconds_embedding": round(v["seconds_embedding"], 1)} for k, v in unit_stats.items()},
         "budget_rule": BUDGET_RULE if min_cover_fraction == MIN_COVER_FRACTION
         else f"{BUDGET_RULE} [min_cover_fraction={min_cover_fraction}]",
