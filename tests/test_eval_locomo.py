@@ -119,6 +119,21 @@ def test_multi_turn_units_cost_exactly_what_their_text_holds():
     assert episode_units(conv, eps)[1].text == "Back again: I adopted a dog!\nWhat breed?"
 
 
+def test_primary_user_switch_brings_that_users_turns():
+    """Episodes come from the primary user's own history (their utterances are role=user)."""
+    from qumem_pipeline.eval_locomo import _speaker_a_first
+
+    conv = _toy_conversation()
+    other = conv.turns.with_columns(role=pl.Series(["other", "user"] * 3))
+    conv.user_ids = ["c-bo", "c-caroline"]
+    conv.user_id, conv.turns = "c-bo", other
+    conv.turns_by_user = {"c-bo": other, "c-caroline": _toy_conversation().turns}
+    conv.dia_by_user_turn = {"c-bo": {}, "c-caroline": {}}
+    _speaker_a_first([conv], [{"sample_id": "c", "user_ids": ["c-caroline", "c-bo"]}])
+    assert conv.user_id == "c-caroline" and conv.user_ids == ["c-caroline", "c-bo"]
+    assert conv.turns.filter(pl.col("role") == "user")["speaker"].unique().to_list() == ["Caroline"]
+
+
 def test_unit_scorings_from_turn_vectors():
     turn_vecs = np.eye(4, dtype=np.float32)
     units = [EvalUnit("a b", [(frozenset(["t0"]), 1), (frozenset(["t1"]), 1)], (0, 1)),
