@@ -344,3 +344,26 @@ def test_unrequested_units_are_null_and_memories_decomposed_in_harness(tmp_path,
     assert report["units"]["memories"]["mean_words"] == 3.0
     u = report["units"]["episodes"]
     assert u["mean_turns"] == pytest.approx(18 / u["n_units"], abs=0.01)  # session 1 has 18 turns
+
+
+def test_session_break_episodes_never_span_sessions(monkeypatch):
+    """The diagnostic --episode-session-breaks runs the product's builder per session."""
+    from datetime import datetime, timezone
+
+    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.eval_locomo import build_episodes
+
+    class AlwaysSame(StubClassifier):
+        def predict_same_proba(self, pairs, batch_size=64, progress=None):
+            return np.full(len(pairs), 0.9, dtype=np.float32)
+
+    monkeypatch.setattr(ContinuityClassifier, "load", classmethod(lambda cls, *a, **k: AlwaysSame()))
+    conv = _toy_conversation()
+    conv.turns = conv.turns.with_columns(user_id=pl.lit("c-caroline"),
+                                         timestamp=pl.lit(datetime(2023, 5, 1, tzinfo=timezone.utc)))
+    plain, _ = build_episodes([conv])
+    assert plain["c-caroline"]["turn_ids"].to_list() == [list(range(6))]  # one episode over both sessions
+    split, version = build_episodes([conv], session_breaks=True)
+    assert split["c-caroline"]["turn_ids"].to_list() == [[0, 1, 2, 3], [4, 5]]
+    assert split["c-caroline"]["episode_index"].to_list() == [0, 1] and version.endswith("+session-breaks")
+    assert [u.turn_rows for u in episode_units(conv, split["c-caroline"])] == [(0, 1, 2, 3), (4, 5)]
