@@ -39,6 +39,11 @@ A unit always costs its whole text, whatever the scoring. ``recall_at_top_units`
 units taken whole, cost ignored) separates ranking quality from unit size; ``units`` gives each
 kind's mean words, mean turns and the share of units longer than the embedder reads.
 
+``--episode-session-breaks`` (diagnostic, not the product's behaviour) runs the same episode
+builder on each session separately: on LoCoMo the product's episodes span session breaks (days
+apart) because the builder sees no session or time boundary, only utterance continuity and its
+token budget.
+
 Slices (``--conversations``, ``--max-sessions N``) keep the QA items whose evidence lies in the
 kept sessions, so every unit kind (memories included) is compared on the same data.
 
