@@ -223,6 +223,27 @@ def episode_units(conv: Conversation, episodes: pl.DataFrame | None) -> list[Eva
     return out
 
 
+def memory_stats(units: list[EvalUnit], lines: Sequence[tuple[str, str, str]], budgets: Sequence[int]) -> dict:
+    """What the memories row rests on: a memory is credited with every turn it cites, whatever it says.
+
+    When all memories together fit in a budget, ranking plays no part there: recall is just the
+    union of cited turns. ``cited_turn_words_per_memory_word`` shows how much text a memory claims
+    to stand for (a tiny model citing 8 turns for "The user..." scores as perfect compression).
+    """
+    words_of = {l[0]: word_count(l[2]) for l in lines}
+    total = sum(u.words for u in units)
+    cited = [ids for u in units for ids, _ in u.pieces]
+    cited_words = sum(words_of.get(d, 0) for ids in cited for d in ids)
+    return {
+        "n_memories": len(units),
+        "total_words": total,
+        "mean_evidence_turns": round(sum(len(ids) for ids in cited) / max(len(units), 1), 2),
+        "turns_cited_by_any": len(set().union(*cited)) if cited else 0,
+        "cited_turn_words_per_memory_word": round(cited_words / max(total, 1), 2),
+        "budgets_holding_every_memory": [b for b in budgets if total <= b],
+    }
+
+
 def memory_units(conv: Conversation, memories: pl.DataFrame) -> list[EvalUnit]:
     """Memories of the conversation's users; evidence turn ids mapped to dia_ids via each user's turns."""
     out = []
@@ -625,6 +646,7 @@ def run_eval(
     unit_stats: dict[str, dict] = defaultdict(lambda: {"n_units": 0, "words": 0, "turns": 0, "over_max_seq": 0, "cross_session": 0,
                                                        "seconds_embedding": 0.0})
     mem_conversations: list[str] = []
+    mem_stats: dict[str, dict] = {}
     max_seq = getattr(emb, "max_seq_length", None)
     offset = 0
     for conv in convs:
@@ -640,6 +662,7 @@ def run_eval(
                 if not us:
                     continue  # no memories for this conversation's users: excluded, reported below
                 mem_conversations.append(conv.sample_id)
+                mem_stats[conv.sample_id] = memory_stats(us, conv.lines(), budgets)
             st = unit_stats[key]
             te = time.perf_counter()
             if key == "turns" and turn_vecs is not None:
@@ -745,6 +768,7 @@ def run_eval(
         sub = [(cat, r) for (cat, r), conv_id in zip(per_kind[("turns", "text")], _item_conv_ids(convs, items_by_conv))
                if conv_id in memset] if ("turns", "text") in per_kind else []
         report["memories_subset_turns"] = _aggregate(sub, HEADLINE_CATEGORIES, budgets) if sub else None
+        report["memories_stats"] = mem_stats
         report["memories_n_memories"] = int(mem_df.filter(pl.col("user_id").is_in(
             [u for c in convs if c.sample_id in memset for u in c.user_ids])).height)
         if "model" in mem_df.columns:
@@ -797,6 +821,11 @@ def format_table(report: dict) -> str:
     table("overall with adversarial (categories 1-5)", report["retrieval_with_adversarial"])
     for c, blk in report["per_category"].items():
         table(f"category {c} ({blk['name']}, n={blk['n']})", blk)
+    for conv_id, ms in (report.get("memories_stats") or {}).items():
+        lines.append(f"memories {conv_id}: {json.dumps(ms)}")
+        if ms["budgets_holding_every_memory"]:
+            lines.append(f"  NOTE: every memory fits in {ms['budgets_holding_every_memory']} words: recall there is the "
+                         f"union of cited turns, independent of ranking and of what the memories say")
     sk = {k: v for k, v in report["skipped"].items() if k != "qa_loader"}
     lines.append("")
     lines.append(f"skipped: {json.dumps(sk)}")

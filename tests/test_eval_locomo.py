@@ -151,6 +151,16 @@ def test_unit_scorings_from_turn_vectors():
         unit_scores(units, q, "max", turn_vecs=turn_vecs)
 
 
+def test_memory_stats_flag_budgets_that_hold_every_memory():
+    from qumem_pipeline.eval_locomo import memory_stats
+
+    lines = [("D1:1", "s1", "Caroline: " + "w " * 19), ("D1:2", "s1", "Melanie: " + "w " * 9)]
+    mems = [EvalUnit("The user...", [(frozenset(["D1:1", "D1:2"]), 2)]), EvalUnit("x y z", [(frozenset(["D1:2"]), 3)])]
+    st = memory_stats(mems, lines, (4, 5, 128))
+    assert st == {"n_memories": 2, "total_words": 5, "mean_evidence_turns": 1.5, "turns_cited_by_any": 2,
+                  "cited_turn_words_per_memory_word": (20 + 10 + 10) / 5, "budgets_holding_every_memory": [5, 128]}
+
+
 def test_recall_at_top_units_ignores_cost():
     units = [U(("a", 500), ("b", 500)), U(("c", 1))]
     items = [QAItem("s", 1, "q", frozenset(["b", "c"]))]
@@ -342,6 +352,9 @@ def test_unrequested_units_are_null_and_memories_decomposed_in_harness(tmp_path,
     assert sorted(mem["user_id"].unique().to_list()) == ["conv-26-caroline", "conv-26-melanie"]
     assert mem["evidence_turn_ids"].to_list() == [[0]] * 6
     assert report["units"]["memories"]["mean_words"] == 3.0
+    ms = report["memories_stats"]["conv-26"]
+    assert ms["total_words"] == 18 and ms["turns_cited_by_any"] == 1 and ms["budgets_holding_every_memory"] == [128, 256, 512, 1024]
+    assert "NOTE: every memory fits" in buf.getvalue()
     u = report["units"]["episodes"]
     assert u["mean_turns"] == pytest.approx(18 / u["n_units"], abs=0.01)  # session 1 has 18 turns
 
