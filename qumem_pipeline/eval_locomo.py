@@ -689,7 +689,8 @@ def run_eval(
             f"({time.perf_counter() - t0:.0f}s)")
 
     def summary(key: str, cats, scoring: str) -> dict | None:
-        sc = "text" if key in ("turns", "memories") else scoring
+        # single-piece rows (turns, memories, anything ranked another way) exist under "text" only
+        sc = scoring if (key, scoring) in per_kind else "text"
         return _aggregate(per_kind[(key, sc)], cats, budgets) if (key, sc) in per_kind else None
 
     def mean_recall(d: dict | None) -> float:
