@@ -71,6 +71,7 @@ def episodes(
             "user_utterances": stats.user_utterances,
             "classifier_decisions": stats.decisions,
             "forced_splits": stats.forced_splits,
+            "session_breaks": stats.session_breaks,
             "oversize_single_units": stats.oversize_single_units,
             "mean_turns_per_episode": round(sum(sizes) / len(sizes), 2) if sizes else 0.0,
             "pairs_per_s": round(stats.decisions / classify_s, 1) if classify_s > 0 else 0.0,

@@ -54,24 +54,36 @@ class Unit:
     tokens: int
 
 
-def build_units(roles: Sequence[str], turn_indices: Sequence[int], token_counts: Sequence[int]) -> list[Unit]:
-    """Group a user's history into units; turns before the first user utterance join the first unit."""
+def build_units(roles: Sequence[str], turn_indices: Sequence[int], token_counts: Sequence[int],
+                sessions: Sequence[object] | None = None) -> list[Unit]:
+    """Group a user's history into units; turns before the first user utterance join the first unit.
+
+    With ``sessions``, non-user turns that open a new session (the other speaker starting the next
+    day's chat) lead the next user utterance's unit instead of trailing the previous one; context
+    after the last user utterance stays with it.
+    """
     units: list[list[int]] = []
     tokens: list[int] = []
+    unit_session: list[object] = []
     leading: list[int] = []
     leading_tokens = 0
-    for role, ti, tok in zip(roles, turn_indices, token_counts):
+    for k, (role, ti, tok) in enumerate(zip(roles, turn_indices, token_counts)):
+        sess = sessions[k] if sessions is not None else None
         if role == "user":
             units.append(leading + [ti])
             tokens.append(leading_tokens + tok)
+            unit_session.append(sess)
             leading, leading_tokens = [], 0
-        elif units:
+        elif units and not leading and sess == unit_session[-1]:
             units[-1].append(ti)
             tokens[-1] += tok
         else:
             leading.append(ti)
             leading_tokens += tok
-    if leading:  # a history with no user utterance at all is one context-only unit
+    if leading and units:  # context after the last user utterance, in a later session
+        units[-1] += leading
+        tokens[-1] += leading_tokens
+    elif leading:  # a history with no user utterance at all is one context-only unit
         units.append(leading)
         tokens.append(leading_tokens)
     return [Unit(u, t) for u, t in zip(units, tokens)]
@@ -119,6 +131,24 @@ def enforce_budget(
     return out, forced, oversize
 
 
+def split_at(spans: list[tuple[int, int]], starts: set[int]) -> list[tuple[int, int]]:
+    """Cut spans so that every unit index in ``starts`` begins an episode."""
+    out = []
+    for s, e in spans:
+        cuts = [s] + sorted(i for i in starts if s < i < e) + [e]
+        out += list(zip(cuts, cuts[1:]))
+    return out
+
+
+def session_starts(units: list[Unit], session_of_user_turn: dict[int, object]) -> set[int]:
+    """Units whose user utterance is in another session than the previous unit's: a new session
+    (another day, another chat) is a new event whatever the utterances say. Without this, on LoCoMo
+    85 of 131 episodes spanned a session break and the token budget, not the events, chose most
+    boundaries."""
+    keys = [next(session_of_user_turn[t] for t in u.turn_ids if t in session_of_user_turn) for u in units]
+    return {i for i in range(1, len(keys)) if keys[i] != keys[i - 1]}
+
+
 def episode_id(user_id: str, first_turn: int, last_turn: int) -> str:
     """Stable across reruns: the same user and turn span always get the same id."""
     return hashlib.sha256(f"{user_id}:{first_turn}:{last_turn}".encode()).hexdigest()[:20]
@@ -131,6 +161,7 @@ class EpisodeStats:
     decisions: int = 0
     episodes: int = 0
     forced_splits: int = 0
+    session_breaks: int = 0
     oversize_single_units: int = 0
 
 
@@ -150,8 +181,13 @@ def build_user_episodes(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     count_tokens: Callable[[str], int] = estimate_tokens,
     stats: EpisodeStats | None = None,
+    break_on_session: bool = True,
 ) -> pl.DataFrame:
-    """Episodes of one user from their turns and the classifier's P(same) for each user pair."""
+    """Episodes of one user from their turns and the classifier's P(same) for each user pair.
+
+    ``break_on_session``: a change of (conversation_id, session_id) between user utterances always
+    starts a new episode (counted in stats.session_breaks), on top of the classifier's boundaries.
+    """
     rule = _one_rule(rule, threshold)
     turns = turns.sort("turn_index")
     if turns.height == 0:
@@ -160,7 +196,11 @@ def build_user_episodes(
     roles = turns["role"].to_list()
     tis = turns["turn_index"].to_list()
     toks = [count_tokens(t) for t in turns["text"].to_list()]
-    units = build_units(roles, tis, toks)
+    sessions = None
+    if break_on_session:  # tables without session columns are one session
+        cols = [turns[c].to_list() if c in turns.columns else [None] * turns.height for c in ("conversation_id", "session_id")]
+        sessions = list(zip(*cols))
+    units = build_units(roles, tis, toks, sessions)
     n_user = sum(1 for r in roles if r == "user")
     expected = max(n_user - 1, 0)
     if len(p_same) != expected:
@@ -168,7 +208,13 @@ def build_user_episodes(
     p = [float(x) for x in p_same]
     if n_user == 0:  # only context turns: one episode, no decisions
         p = []
-    spans, forced, oversize = enforce_budget(segment(p, rule), p, [u.tokens for u in units], token_budget)
+    spans = segment(p, rule)
+    breaks: set[int] = set()
+    if break_on_session and n_user > 1:
+        user_sessions = {t: k for t, k, r in zip(tis, sessions, roles) if r == "user"}
+        breaks = session_starts(units, user_sessions) - {s for s, _ in spans}
+        spans = split_at(spans, breaks)
+    spans, forced, oversize = enforce_budget(spans, p, [u.tokens for u in units], token_budget)
     ts_by_turn = dict(zip(tis, turns["timestamp"].to_list()))
     role_by_turn = dict(zip(tis, roles))
     rows = []
@@ -201,6 +247,7 @@ def build_user_episodes(
         stats.decisions += len(p)
         stats.episodes += len(rows)
         stats.forced_splits += len(forced)
+        stats.session_breaks += len(breaks)
         stats.oversize_single_units += oversize
     return pl.DataFrame(rows, schema=EPISODE_SCHEMA)
 
@@ -214,6 +261,7 @@ def build_episodes_for_users(
     classifier_version: str,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     count_tokens: Callable[[str], int] = estimate_tokens,
+    break_on_session: bool = True,
 ) -> tuple[dict[str, pl.DataFrame], EpisodeStats]:
     """All users' pairs go through the classifier as one batch; then episodes per user.
 
@@ -231,7 +279,7 @@ def build_episodes_for_users(
         n = len(pairs_by_user[u])
         out[u] = build_user_episodes(
             t, probs[offset : offset + n], rule=rule, classifier_version=classifier_version,
-            token_budget=token_budget, count_tokens=count_tokens, stats=stats,
+            token_budget=token_budget, count_tokens=count_tokens, stats=stats, break_on_session=break_on_session,
         )
         offset += n
     return out, stats

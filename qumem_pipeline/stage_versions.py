@@ -61,7 +61,7 @@ def stage_code_versions() -> dict[str, str]:
     clf, emb, llm = classifier_version(), embedder_version(), llm_model_id()
     return {
         "turns": TURN_SCHEMA_VERSION,
-        "episodes": _join("episodes-v1", clf),
+        "episodes": _join("episodes-v2-session-breaks", clf),
         "memories": _join("memories-v1", PROMPT_VERSION, llm),
         "memory_embeddings": _join("memory-embeddings-v1", emb),
         "memory_indexes": _join("memory-indexes-v1", emb),

@@ -43,6 +43,29 @@ def test_units_keep_replies_and_leading_context():
     assert [u.turn_ids for u in units] == [[0, 1, 2], [3, 4, 5]]
 
 
+def test_units_move_a_new_sessions_opening_context_to_its_first_utterance():
+    roles = ["user", "assistant", "other", "user", "assistant", "other"]
+    sessions = ["s1", "s1", "s2", "s2", "s2", "s3"]  # "other" opens s2; a trailing s3 turn stays last
+    units = build_units(roles, list(range(6)), [1] * 6, sessions)
+    assert [u.turn_ids for u in units] == [[0, 1], [2, 3, 4, 5]]
+    assert [u.turn_ids for u in build_units(roles, list(range(6)), [1] * 6)] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_new_session_always_starts_an_episode():
+    roles = ["user", "assistant", "other", "user", "assistant", "user"]
+    df = history(roles).with_columns(conversation_id=pl.lit("c1"), session_id=pl.Series(["s1", "s1", "s2", "s2", "s2", "s2"]))
+    p = np.array([0.99, 0.99], dtype=np.float32)  # the classifier says "same event" throughout
+    split = build_user_episodes(df, p, threshold=0.5, classifier_version="t")
+    assert split["turn_ids"].to_list() == [[0, 1], [2, 3, 4, 5]]
+    assert split["boundary_prob"][1] == pytest.approx(0.01, abs=1e-6)  # the classifier's view is kept
+    assert not split["forced_split"][1]  # a session break, not a token-budget split
+    whole = build_user_episodes(df, p, threshold=0.5, classifier_version="t", break_on_session=False)
+    assert whole["turn_ids"].to_list() == [list(range(6))]
+    # another conversation with the same session id is another session too
+    conv = df.with_columns(session_id=pl.lit("s"), conversation_id=pl.Series(["a", "a", "a", "a", "a", "b"]))
+    assert build_user_episodes(conv, p, threshold=0.5, classifier_version="t")["turn_ids"].to_list() == [[0, 1, 2, 3, 4], [5]]
+
+
 def test_first_utterance_only():
     df = eps(["user", "assistant"], [])
     assert df.height == 1 and df["turn_ids"].to_list() == [[0, 1]]
