@@ -39,10 +39,8 @@ A unit always costs its whole text, whatever the scoring. ``recall_at_top_units`
 units taken whole, cost ignored) separates ranking quality from unit size; ``units`` gives each
 kind's mean words, mean turns and the share of units longer than the embedder reads.
 
-``--episode-session-breaks`` (diagnostic, not the product's behaviour) runs the same episode
-builder on each session separately: on LoCoMo the product's episodes span session breaks (days
-apart) because the builder sees no session or time boundary, only utterance continuity and its
-token budget.
+Episodes are the product's: the continuity classifier's boundaries, a new episode at every new
+session, and the token budget's forced splits.
 
 Slices (``--conversations``, ``--max-sessions N``) keep the QA items whose evidence lies in the
 kept sessions, so every unit kind (memories included) is compared on the same data.
@@ -311,13 +309,12 @@ def read_memories(path: str | os.PathLike) -> pl.DataFrame:
 
 
 def build_episodes(convs: list[Conversation], artifact_dir: str | None = None, device=None,
-                   all_users: bool = False, session_breaks: bool = False) -> tuple[dict[str, pl.DataFrame], str]:
-    """The product's episodes (continuity classifier over user utterances, default token budget).
+                   all_users: bool = False) -> tuple[dict[str, pl.DataFrame], str]:
+    """The product's episodes (continuity classifier over user utterances, session breaks, default
+    token budget).
 
     Retrieval units need only each conversation's primary user; decomposition (``all_users``)
     needs every speaker's, as the pipeline decomposes every user's own history.
-    ``session_breaks`` (a diagnostic, not the product's behaviour): the same builder run on each
-    session separately, so no episode spans two sessions.
     """
     from qumem_pipeline.continuity import ContinuityClassifier
     from qumem_pipeline.continuity.decoding import rule_of
@@ -329,24 +326,10 @@ def build_episodes(convs: list[Conversation], artifact_dir: str | None = None, d
         turns_by_user[c.user_id] = c.turns
         if all_users:
             turns_by_user.update({u: t for u, t in (c.turns_by_user or {}).items() if u != c.user_id})
-    if not session_breaks:
-        eps, _ = build_episodes_for_users(
-            turns_by_user, clf.predict_same_proba, rule=rule_of(clf), classifier_version=clf.version
-        )
-        return eps, clf.version
-    parts = {(u, sid): g for u, t in turns_by_user.items()
-             for (sid,), g in t.group_by("session_id", maintain_order=True)}
-    keys = list(parts)
-    eps_by_key, _ = build_episodes_for_users(
-        {i: parts[k] for i, k in enumerate(keys)}, clf.predict_same_proba, rule=rule_of(clf),
-        classifier_version=clf.version,
+    eps, _ = build_episodes_for_users(
+        turns_by_user, clf.predict_same_proba, rule=rule_of(clf), classifier_version=clf.version
     )
-    out: dict[str, pl.DataFrame] = {}
-    for u in turns_by_user:
-        frames = [eps_by_key[i] for i, k in enumerate(keys) if k[0] == u and eps_by_key[i].height]
-        df = pl.concat(frames).sort("first_turn_index") if frames else pl.DataFrame()
-        out[u] = df.with_columns(episode_index=pl.int_range(pl.len(), dtype=pl.Int64)) if frames else df
-    return out, f"{clf.version}+session-breaks"
+    return eps, clf.version
 
 
 def slice_locomo(path: str, out_dir: str | os.PathLike, conversations: Sequence[str] | None = None,
@@ -534,7 +517,6 @@ def run_eval(
     llm_kind: str | None = None,
     memories_out: str | os.PathLike | None = None,
     llm_max_tokens: int = 384,
-    episode_session_breaks: bool = False,
     batch_size: int = 64,
     min_cover_fraction: float = MIN_COVER_FRACTION,
     speaker_prefix: bool = True,
@@ -602,7 +584,7 @@ def run_eval(
         try:
             te = time.perf_counter()
             episodes_by_user, classifier_version = build_episodes(
-                convs, continuity_artifact, device, all_users=decompose, session_breaks=episode_session_breaks)
+                convs, continuity_artifact, device, all_users=decompose)
             log(f"[locomo] episodes built in {time.perf_counter() - te:.1f}s ({classifier_version})")
         except (FileNotFoundError, OSError, ValueError, KeyError) as e:
             skipped["episodes"] = f"continuity classifier unavailable: {e}"
@@ -788,7 +770,6 @@ def run_eval(
         "embedding_model": emb.version,
         "embedder_max_seq_length": max_seq,
         "continuity_classifier": classifier_version,
-        "episode_session_breaks": episode_session_breaks,
         "decomposition": decompose_info,
         "as_of": "end of conversation",
         "primary_user": {c.sample_id: c.user_id for c in convs},
@@ -883,8 +864,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--llm-kind", default=None, help="local | openai | vllm-managed (default: $QUMEM_LLM_KIND or local)")
     ap.add_argument("--llm-max-tokens", type=int, default=384, help="max completion tokens per decomposition call")
     ap.add_argument("--memories-out", default=None, help="with --decompose: data root to write memories (per user, as done)")
-    ap.add_argument("--episode-session-breaks", action="store_true",
-                    help="diagnostic: run the episode builder per session (not the product's behaviour)")
     ap.add_argument("--unit-scoring", default=DEFAULT_SCORING, choices=SCORINGS,
                     help="how multi-turn units are scored for the headline table (all are in retrieval_by_scoring)")
     ap.add_argument("--units", default=",".join(UNIT_KINDS), help=f"comma list of {UNIT_KINDS}")
@@ -911,7 +890,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm_max_tokens=args.llm_max_tokens,
         memories_out=args.memories_out,
         unit_scoring=args.unit_scoring,
-        episode_session_breaks=args.episode_session_breaks,
         units=[u.strip() for u in args.units.split(",") if u.strip()],
         window_sizes=[int(s) for s in args.window_sizes.split(",") if s.strip()],
         continuity_artifact=args.continuity_artifact,

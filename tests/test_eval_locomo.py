@@ -359,8 +359,8 @@ def test_unrequested_units_are_null_and_memories_decomposed_in_harness(tmp_path,
     assert u["mean_turns"] == pytest.approx(18 / u["n_units"], abs=0.01)  # session 1 has 18 turns
 
 
-def test_session_break_episodes_never_span_sessions(monkeypatch):
-    """The diagnostic --episode-session-breaks runs the product's builder per session."""
+def test_harness_episodes_never_span_sessions(monkeypatch):
+    """The harness's episodes are the product's, which start a new episode at every new session."""
     from datetime import datetime, timezone
 
     from qumem_pipeline.continuity import ContinuityClassifier
@@ -374,9 +374,7 @@ def test_session_break_episodes_never_span_sessions(monkeypatch):
     conv = _toy_conversation()
     conv.turns = conv.turns.with_columns(user_id=pl.lit("c-caroline"),
                                          timestamp=pl.lit(datetime(2023, 5, 1, tzinfo=timezone.utc)))
-    plain, _ = build_episodes([conv])
-    assert plain["c-caroline"]["turn_ids"].to_list() == [list(range(6))]  # one episode over both sessions
-    split, version = build_episodes([conv], session_breaks=True)
+    split, _ = build_episodes([conv])  # the classifier says "same event" throughout
     assert split["c-caroline"]["turn_ids"].to_list() == [[0, 1, 2, 3], [4, 5]]
-    assert split["c-caroline"]["episode_index"].to_list() == [0, 1] and version.endswith("+session-breaks")
+    assert split["c-caroline"]["episode_index"].to_list() == [0, 1]
     assert [u.turn_rows for u in episode_units(conv, split["c-caroline"])] == [(0, 1, 2, 3), (4, 5)]
