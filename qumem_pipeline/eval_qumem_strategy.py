@@ -34,8 +34,9 @@ class QumemPlanning:
 def qumem_planned_retrieval(conv_id: str, user_id: str, questions: Sequence[str], memories: pl.DataFrame,
                             embedder, llm, as_of: int, k: int = DEFAULT_K) -> QumemPlanning:
     """Plan (A1/A2, one batch each) and retrieve for every question of one conversation."""
-    mems = memories.unique("memory_id", keep="first", maintain_order=True).with_columns(
-        pl.col("type").map_elements(normalize_type, return_dtype=pl.String), pl.lit(user_id).alias("user_id"))
+    mems = memories.unique("memory_id", keep="first", maintain_order=True)
+    mems = mems.with_columns(pl.Series("type", [normalize_type(t) for t in mems["type"].to_list()], dtype=pl.String),
+                             pl.lit(user_id).alias("user_id"))  # all re-indexed onto the primary user's turns
     store = VectorStore.in_memory([build_user_indexes(embed_memories(mems, embedder), user_id)])
     retriever = TypedMemoryRetriever(store, embedder, mems)
     queries = [Query(f"{conv_id}/q{i}", user_id, q, as_of) for i, q in enumerate(questions)]
