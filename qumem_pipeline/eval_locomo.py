@@ -50,6 +50,9 @@ category 5 (adversarial). ``per_category`` has every category.
 
 Strategies side by side (``--strategies qumem,adamem,topk``): each query strategy's ranked retrieval
 under the same word budgets, one row per strategy in every table (see ``qumem_pipeline.adamem.eval_units``).
+``qumem`` runs A1/A2 planning with the run's LLM backend (``--llm-kind``, or the one ``--decompose``
+builds) over the memories (``--memories`` or ``--decompose``); without either it is skipped with the
+reason. Its A1/A2 token totals and plan repairs are in ``qumem_planning``.
 
 CLI: ``python -m qumem_pipeline.eval_locomo PATH [--json] [--memories PARQUET_DIR | --decompose]
 [--conversations IDS] [--max-sessions N] [--limit-conversations N] [--unit-scoring text|best_turn|mean_turn]
@@ -535,7 +538,8 @@ def run_eval(
     unknown = set(units) - set(UNIT_KINDS)
     if unknown:
         raise ValueError(f"unknown unit kinds {sorted(unknown)}; expected {UNIT_KINDS}")
-    from qumem_pipeline.adamem.eval_units import EVAL_STRATEGIES, NEEDS_LLM, strategy_rankings
+    from qumem_pipeline.adamem.eval_units import EVAL_STRATEGIES, NEEDS_LLM, NEEDS_MEMORIES, strategy_rankings
+    from qumem_pipeline.retrieval import DEFAULT_K as QUMEM_K
 
     strategies = list(dict.fromkeys(strategies))
     if set(strategies) - set(EVAL_STRATEGIES):
@@ -579,7 +583,15 @@ def run_eval(
     # ---- optional unit sources
     episodes_by_user: dict[str, pl.DataFrame] | None = None
     classifier_version = None
-    decompose = decompose and "memories" in units
+    # the memories feed the memories row and the strategies (qumem ranks memories only)
+    decompose = decompose and ("memories" in units or bool(strategies))
+    backends: list = []  # one LLM backend for the run, built on first use (decomposition and qumem's A1/A2)
+
+    def backend_once():
+        if not backends:
+            backends.append(llm_backend or _make_backend(llm_kind))
+        return backends[0]
+
     if "episodes" in units or decompose:
         try:
             te = time.perf_counter()
@@ -591,9 +603,9 @@ def run_eval(
             log(f"[locomo] episodes skipped: {e}")
     mem_df: pl.DataFrame | None = None
     decompose_info = None
-    if "memories" in units:
+    if "memories" in units or decompose:
         if decompose and episodes_by_user is not None:
-            backend = llm_backend or _make_backend(llm_kind)
+            backend = backend_once()
             te = time.perf_counter()
             mem_df = decompose_memories(convs, episodes_by_user, backend, memories_out, llm_max_tokens, log)
             decompose_info = {"model": backend.model_name, "backend": backend.backend_name,
@@ -614,10 +626,16 @@ def run_eval(
                 skipped["memories"] = f"memories table unreadable: {e}"
     elif strategies and memories is not None:
         mem_df = memories if isinstance(memories, pl.DataFrame) else read_memories(memories)
-    for name, why in NEEDS_LLM.items():
-        if name in strategies:
-            skipped[f"strategy_{name}"] = why
-    run_strategies = [s for s in strategies if s not in NEEDS_LLM]
+    # an LLM is "available" when the run was given one: a backend, --llm-kind, or --decompose
+    have_llm = llm_backend is not None or llm_kind is not None or decompose
+    for name in strategies:
+        if name in NEEDS_LLM and not have_llm:
+            skipped[f"strategy_{name}"] = NEEDS_LLM[name]
+        elif name in NEEDS_MEMORIES and mem_df is None:
+            skipped[f"strategy_{name}"] = NEEDS_MEMORIES[name]
+    run_strategies = [s for s in strategies if f"strategy_{s}" not in skipped]
+    strategy_llm = backend_once() if any(s in NEEDS_LLM for s in run_strategies) else None
+    qumem_stats: dict[str, dict] = {}
 
     emb = embedder or Embedder.load(device=device)
     questions = [it.question for c in convs for it in items_by_conv[c.sample_id]]
@@ -689,7 +707,8 @@ def run_eval(
             ranked = strategy_rankings(
                 conv, [it.question for it in items], qv, run_strategies, emb, mem_df,
                 episodes_by_user.get(conv.user_id) if episodes_by_user else None,
-                lambda dias, text: EvalUnit(text, [(frozenset(dias), word_count(text))]))
+                lambda dias, text: EvalUnit(text, [(frozenset(dias), word_count(text))]),
+                llm=strategy_llm, qumem_stats=qumem_stats)
             for name, lists in ranked.items():
                 for it, units_ranked in zip(items, lists):
                     per_kind[(f"strategy_{name}", "text")].append(
@@ -730,6 +749,11 @@ def run_eval(
             f"memories only for conversations {mem_conversations}; memories figures cover those conversations' "
             f"items only (see memories_subset_turns for single turns on the same items)"
         )
+    if "qumem" in run_strategies:
+        missing = [c.sample_id for c in convs if items_by_conv[c.sample_id] and c.sample_id not in qumem_stats]
+        if missing:
+            skipped["strategy_qumem_partial"] = (f"no memories for conversations {missing}: qumem's figures cover "
+                                                 f"the other conversations' items only")
     if "fixed_chunks" in units and not window_keys:
         skipped["fixed_chunks"] = "no window sizes given"
 
@@ -771,6 +795,12 @@ def run_eval(
         "embedder_max_seq_length": max_seq,
         "continuity_classifier": classifier_version,
         "decomposition": decompose_info,
+        "qumem_planning": ({"model": strategy_llm.model_name, "k_per_sub_query": QUMEM_K,
+                            "backfill": "remaining memories in topk (raw-question dense) order",
+                            "prompt_tokens": sum(v["a1_a2_prompt_tokens"] for v in qumem_stats.values()),
+                            "completion_tokens": sum(v["a1_a2_completion_tokens"] for v in qumem_stats.values()),
+                            "plans_repaired": sum(v["plans_repaired"] for v in qumem_stats.values()),
+                            "by_conversation": qumem_stats} if qumem_stats else None),
         "as_of": "end of conversation",
         "primary_user": {c.sample_id: c.user_id for c in convs},
         "load": load_info,
@@ -840,6 +870,10 @@ def format_table(report: dict) -> str:
         if ms["budgets_holding_every_memory"]:
             lines.append(f"  NOTE: every memory fits in {ms['budgets_holding_every_memory']} words: recall there is the "
                          f"union of cited turns, independent of ranking and of what the memories say")
+    qp = report.get("qumem_planning")
+    if qp:
+        lines.append(f"qumem planning ({qp['model']}): A1+A2 prompt tokens {qp['prompt_tokens']}, completion tokens "
+                     f"{qp['completion_tokens']}, plans repaired {qp['plans_repaired']}; backfill: {qp['backfill']}")
     sk = {k: v for k, v in report["skipped"].items() if k != "qa_loader"}
     lines.append("")
     lines.append(f"skipped: {json.dumps(sk)}")
@@ -875,7 +909,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="share of a budget-crossing turn/memory that must fit for it to count (>1: never)")
     ap.add_argument("--no-speaker-prefix", action="store_true", help="embed/count turns without '<speaker>: '")
     ap.add_argument("--strategies", default="", help="comma list of query strategies to compare side by side "
-                    "(qumem,adamem,topk); qumem needs an LLM and is skipped in retrieval-only runs")
+                    "(qumem,adamem,topk); qumem needs an LLM (--llm-kind or --decompose) and memories "
+                    "(--memories or --decompose), else it is skipped with the reason")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -5,7 +5,8 @@ query's as_of) -> A3 (user state Z_q = facts, preference trajectory, insights, e
 memories) -> optional response Ψ(q, Z_q). Each stage is one LLM batch over *all* queries of the
 run, so a server sees full batches. Candidates are shown to A3 as short aliases (M1, M2, ...),
 which small models cite far more reliably than hashes; aliases are mapped back to memory ids
-and any citation of a memory that was not retrieved is dropped and counted.
+and any citation of a memory that was not retrieved is dropped and counted. A1+A2 are
+``plan_retrieval`` (also used by the LoCoMo harness's ``qumem`` strategy).
 
 The "topk" strategy is the paper's baseline: one similarity search over all stores with the raw
 query, then A3 on what it returned. The "adamem" strategy (second seed) is implemented in
@@ -302,6 +303,66 @@ def _resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict,
     return out, list(dict.fromkeys(cited)), dropped
 
 
+def plan_retrieval(
+    queries: Sequence[Query],
+    llm: LLMBackend,
+    *,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[list[list[dict]], list[list[tuple[str, list[str]]]], list[str | None], list[tuple[int, int]]]:
+    """A1 (information needs) then A2 (retrieval plan, validated), each ONE batch over all queries.
+
+    Factored out so the retrieval-only LoCoMo harness can run the same planning as the product.
+    Returns per query: needs, plan [(query, stores)], why the plan was repaired (or None), and
+    (prompt, completion) tokens spent on A1+A2.
+    """
+    n = len(queries)
+    tokens = [[0, 0] for _ in range(n)]
+    needs: list[list[dict]] = [[] for _ in range(n)]
+    plans: list[list[tuple[str, list[str]]]] = [[(q.query, list(MEMORY_TYPES))] for q in queries]
+    repaired: list[str | None] = [None] * n
+
+    def account(i: int, r: ChatResult) -> None:
+        tokens[i][0] += r.prompt_tokens
+        tokens[i][1] += r.completion_tokens
+
+    # A1: information needs, one batch.
+    a1 = _generate_with_retry(llm, [
+        ChatRequest(f"{q.query_id}/a1", [{"role": "system", "content": A1_SYSTEM},
+                                         {"role": "user", "content": _user_msg(q, 'Return {"needs": [{"need": "...", "why": "..."}]}.')}],
+                    A1_SCHEMA, A1_MAX_TOKENS, "information_needs")
+        for q in queries
+    ])
+    for i, r in enumerate(a1):
+        account(i, r)
+        needs[i] = (r.parsed or {}).get("needs", []) if r.ok else []
+        if not r.ok:
+            repaired[i] = f"A1 failed ({r.error}); planning from the query alone"
+    if progress:
+        progress("A1 information needs", n, n)
+    # A2: retrieval plans, one batch.
+    a2 = _generate_with_retry(llm, [
+        ChatRequest(
+            f"{q.query_id}/a2",
+            [{"role": "system", "content": A2_SYSTEM},
+             {"role": "user", "content": _user_msg(
+                 q,
+                 "Information needs:\n" + ("\n".join(f"- {d.get('need', '')} (why: {d.get('why', '')})" for d in needs[i]) or "- (none listed)")
+                 + '\n\nReturn {"queries": [{"query": "...", "stores": ["fact"|"preference"|"insight", ...]}]}.')}],
+            A2_SCHEMA, A2_MAX_TOKENS, "retrieval_plan")
+        for i, q in enumerate(queries)
+    ])
+    for i, r in enumerate(a2):
+        account(i, r)
+        plan, why = validate_plan(r.parsed if r.ok else None, queries[i].query)
+        plans[i] = plan
+        if why or not r.ok:
+            reason = why if r.ok else f"A2 output unusable ({r.error}); {why}"
+            repaired[i] = "; ".join(x for x in (repaired[i], reason) if x)
+    if progress:
+        progress("A2 retrieval plans", n, n)
+    return needs, plans, repaired, [(a, b) for a, b in tokens]
+
+
 def infer_user_states(
     queries: Sequence[Query],
     llm: LLMBackend,
@@ -338,39 +399,10 @@ def infer_user_states(
     plans: list[list[tuple[str, list[str]]]] = [[(q.query, list(MEMORY_TYPES))] for q in queries]
     repaired: list[str | None] = [None] * n
     if strategy == "qumem":
-        # A1: information needs, one batch.
-        a1 = _generate_with_retry(llm, [
-            ChatRequest(f"{q.query_id}/a1", [{"role": "system", "content": A1_SYSTEM},
-                                             {"role": "user", "content": _user_msg(q, 'Return {"needs": [{"need": "...", "why": "..."}]}.')}],
-                        A1_SCHEMA, A1_MAX_TOKENS, "information_needs")
-            for q in queries
-        ])
-        for i, r in enumerate(a1):
-            account(i, r)
-            needs[i] = (r.parsed or {}).get("needs", []) if r.ok else []
-            if not r.ok:
-                repaired[i] = f"A1 failed ({r.error}); planning from the query alone"
-        step("A1 information needs")
-        # A2: retrieval plans, one batch.
-        a2 = _generate_with_retry(llm, [
-            ChatRequest(
-                f"{q.query_id}/a2",
-                [{"role": "system", "content": A2_SYSTEM},
-                 {"role": "user", "content": _user_msg(
-                     q,
-                     "Information needs:\n" + ("\n".join(f"- {d.get('need', '')} (why: {d.get('why', '')})" for d in needs[i]) or "- (none listed)")
-                     + '\n\nReturn {"queries": [{"query": "...", "stores": ["fact"|"preference"|"insight", ...]}]}.')}],
-                A2_SCHEMA, A2_MAX_TOKENS, "retrieval_plan")
-            for i, q in enumerate(queries)
-        ])
-        for i, r in enumerate(a2):
-            account(i, r)
-            plan, why = validate_plan(r.parsed if r.ok else None, queries[i].query)
-            plans[i] = plan
-            if why or not r.ok:
-                reason = why if r.ok else f"A2 output unusable ({r.error}); {why}"
-                repaired[i] = "; ".join(x for x in (repaired[i], reason) if x)
-        step("A2 retrieval plans")
+        needs, plans, repaired, plan_tokens = plan_retrieval(queries, llm, progress=progress)
+        for i, (p_tok, c_tok) in enumerate(plan_tokens):
+            tokens[i][0] += p_tok
+            tokens[i][1] += c_tok
 
     # Retrieval: every planned query of every query in one call; never past as_of.
     candidates = retriever.retrieve([(q.user_id, plans[i], q.as_of_position) for i, q in enumerate(queries)], k)
