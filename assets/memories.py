@@ -7,6 +7,7 @@ import polars as pl
 
 from assets.episodes import episodes
 from assets.check_results import check_result
+from assets.progress import ProgressLogger
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline import checks
 from qumem_pipeline.decompose import PROMPT_VERSION, decompose_episodes
@@ -63,7 +64,8 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     store = CheckpointStore(pipeline.data_root)
     try:
         out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens,
-                                 checkpoint=store, batch_episodes=CHECKPOINT_BATCH_EPISODES)
+                                 checkpoint=store, batch_episodes=CHECKPOINT_BATCH_EPISODES,
+                                 progress=ProgressLogger(context.log, "LLM calls (checkpointed batches)", every_s=0.0))
     except LLMError as exc:
         saved = len(getattr(exc, "finished_outcomes", None) or [])
         raise dg.Failure(

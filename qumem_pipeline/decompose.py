@@ -410,8 +410,12 @@ def decompose_episodes(
     code_version: str = CODE_VERSION,
     checkpoint: CheckpointStore | None = None,
     batch_episodes: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> DecomposeOutput:
     """Decompose every episode (all users); retry bad output once, then quarantine.
+
+    `progress(done, total)` is called after each batch with the LLM calls sent so far (the
+    calls restored from a checkpoint are not counted: they cost nothing).
 
     With a `checkpoint`, calls finished by an earlier (crashed or failed) run are restored, not
     repeated, and the calls go to the backend in batches of `batch_episodes` episodes, each batch's
@@ -454,6 +458,8 @@ def decompose_episodes(
         if checkpoint is not None:
             checkpoint.append(fresh)
         outcomes.update((o.key, o) for o in fresh)
+        if progress is not None:
+            progress(min(start + per_batch, len(todo)), len(todo))
         fault_point("decompose.batch")
 
     return _assemble(eps, keys, outcomes, stats, code_version=code_version)

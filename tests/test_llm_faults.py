@@ -233,13 +233,18 @@ def test_endpoint_gone_for_good_fails_clearly_and_rerun_repeats_no_finished_call
 def test_changed_episode_is_recomputed_not_served_from_checkpoint(tmp_path):
     episodes = write_inputs(tmp_path / "data")
     store = CheckpointStore(tmp_path / "data")
+    seen, again = [], []
     with RunningFakeServer({"default": [{"echo_memory": True}]}, tmp_path / "srv") as srv, backend(srv.base_url) as be:
-        decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2)
+        decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2,
+                           progress=lambda done, total: seen.append((done, total)))
         before = len(srv.requests())
         episodes[0]["turns"][0] = {**episodes[0]["turns"][0], "text": "EP-ana-0: I went sailing instead"}
-        out = decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2)
+        out = decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2,
+                                 progress=lambda done, total: again.append((done, total)))
         after = len(srv.requests())
     assert before == 18 and after - before == 3  # only the edited episode's three calls
+    assert seen == [(6, 18), (12, 18), (18, 18)]  # progress after every checkpointed batch of 2 episodes
+    assert again == [(3, 3)]  # restored calls are not counted as work
     assert out.stats.reused_calls == 15
     assert out.memories.filter(pl.col("episode_id") == "ana-e0")["content"].str.contains("sailing").all()
 
