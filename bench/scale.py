@@ -39,7 +39,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import dagster as dg  # noqa: E402
-import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from assets.episodes import episodes  # noqa: E402
@@ -201,6 +200,7 @@ def model_bound(archive: Path, device: str | None, batch_pairs: int = 64, batch_
     """Raw forward throughput of both models on exactly this archive's pairs and memory sentences."""
     import torch
 
+    from qumem_pipeline.batching import length_buckets, pad_batch
     from qumem_pipeline.continuity import ContinuityClassifier
     from qumem_pipeline.embeddings import Embedder
     from qumem_pipeline.ingest import ArchiveConfig, load_archive
@@ -222,18 +222,10 @@ def model_bound(archive: Path, device: str | None, batch_pairs: int = 64, batch_
     emb = Embedder.load(device=device)
     enc = emb.tokenizer(sentences, truncation=True, max_length=emb.max_seq_length, padding=False,
                         return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-    order = np.argsort([len(x) for x in enc], kind="stable")
     pad = emb.tokenizer.pad_token_id or 0
-    tensors = []
-    for s in range(0, len(order), batch_sent):
-        idx = order[s : s + batch_sent]
-        L = max(len(enc[i]) for i in idx)
-        ids = np.full((len(idx), L), pad, dtype=np.int64)
-        mask = np.zeros((len(idx), L), dtype=np.int64)
-        for r, i in enumerate(idx):
-            ids[r, : len(enc[i])] = enc[i]
-            mask[r, : len(enc[i])] = 1
-        tensors.append((torch.from_numpy(ids).to(emb.device), torch.from_numpy(mask).to(emb.device)))
+    # the same length-bucketed padding as Embedder.encode, prepared up front: only the forward is timed
+    tensors = [tuple(t.to(emb.device) for t in pad_batch(enc, idx, pad))
+               for idx in length_buckets([len(x) for x in enc], batch_sent)]
     with torch.inference_mode():
         emb.model(input_ids=tensors[0][0], attention_mask=tensors[0][1])
         if emb.device.type == "cuda":

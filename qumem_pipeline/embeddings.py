@@ -91,6 +91,8 @@ class Embedder:
         """Unit-norm float32 embeddings (n, dim) in input order; an empty input gives (0, dim)."""
         import torch
 
+        from qumem_pipeline.batching import length_buckets, pad_batch
+
         n = len(texts)
         out = np.zeros((n, self.dim), dtype=np.float32)
         if n == 0:
@@ -101,21 +103,12 @@ class Embedder:
             return_attention_mask=False, return_token_type_ids=False,
         )
         ids = enc["input_ids"]
-        order = np.argsort(np.asarray([len(x) for x in ids], dtype=np.int64), kind="stable")
         pad_id = self.tokenizer.pad_token_id or 0
         nb = self.device.type == "cuda"
         done = 0
         with torch.inference_mode():
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                L = max(len(ids[i]) for i in idx)
-                arr = np.full((len(idx), L), pad_id, dtype=np.int64)
-                mask = np.zeros((len(idx), L), dtype=np.int64)
-                for r, i in enumerate(idx):
-                    arr[r, : len(ids[i])] = ids[i]
-                    mask[r, : len(ids[i])] = 1
-                t_ids = torch.from_numpy(arr).to(self.device, non_blocking=nb)
-                t_mask = torch.from_numpy(mask).to(self.device, non_blocking=nb)
+            for idx in length_buckets([len(x) for x in ids], batch_size):
+                t_ids, t_mask = (t.to(self.device, non_blocking=nb) for t in pad_batch(ids, idx, pad_id))
                 hidden = self.model(input_ids=t_ids, attention_mask=t_mask).last_hidden_state.float()
                 m = t_mask.unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)

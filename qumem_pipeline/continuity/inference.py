@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..batching import length_buckets, pad_batch
 from .base import base_model_dir, base_weights_sha256, load_tokenizer
 from .decoding import DecisionRule
 from .model import ContinuityNet, ModelConfig
@@ -47,35 +48,12 @@ def tokenize_pairs(tokenizer, pairs: Sequence[tuple[str, str]], max_len: int) ->
     return enc["input_ids"], enc["token_type_ids"]
 
 
-def length_buckets(lengths: Sequence[int], batch_size: int) -> list[np.ndarray]:
-    """Indices sorted by length (stable), cut into consecutive batches of ``batch_size``."""
-    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def pad_batch(ids: list[list[int]], types: list[list[int]], idx: np.ndarray, pad_id: int,
-              pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    L = max(len(ids[i]) for i in idx)
-    if pad_to_multiple > 1:
-        L = -(-L // pad_to_multiple) * pad_to_multiple
-    n = len(idx)
-    input_ids = np.full((n, L), pad_id, dtype=np.int64)
-    token_type = np.zeros((n, L), dtype=np.int64)
-    mask = np.zeros((n, L), dtype=np.int64)
-    for r, i in enumerate(idx):
-        s = ids[i]
-        input_ids[r, : len(s)] = s
-        token_type[r, : len(s)] = types[i]
-        mask[r, : len(s)] = 1
-    return torch.from_numpy(input_ids), torch.from_numpy(mask), torch.from_numpy(token_type)
-
-
 def prepare_batches(tokenizer, pairs, max_len: int, batch_size: int, pad_to_multiple: int = 1):
     """Pre-tokenised, padded, length-bucketed CPU batches: list of (indices, ids, mask, types)."""
     ids, types = tokenize_pairs(tokenizer, pairs, max_len)
     out = []
     for idx in length_buckets([len(x) for x in ids], batch_size):
-        out.append((idx, *pad_batch(ids, types, idx, tokenizer.pad_token_id or 0, pad_to_multiple)))
+        out.append((idx, *pad_batch(ids, idx, tokenizer.pad_token_id or 0, pad_to_multiple, types=types)))
     return out
 
 

@@ -30,7 +30,8 @@ import torch
 from ..segeval.metrics import evaluate
 from .base import BASE_MODEL_NAME, base_weights_sha256, load_tokenizer
 from .data import Pair, dialogue_pairs, load_tiage
-from .inference import ADAPTER_FILE, pad_batch, prepare_batches, tokenize_pairs
+from ..batching import pad_batch
+from .inference import ADAPTER_FILE, prepare_batches, tokenize_pairs
 from .model import ContinuityNet, ModelConfig
 from .tune_decoding import rule_metrics, tune, versioned_config, write_config_atomic
 
@@ -239,7 +240,7 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
         for idx in epoch_batches(gen, lengths, cfg.batch_size, cfg.bucket_chunk):
             if cfg.max_steps and step >= cfg.max_steps:
                 break
-            x, m, t = pad_batch(ids, types, idx, pad_id)
+            x, m, t = pad_batch(ids, idx, pad_id, types=types)
             y = torch.from_numpy(labels[idx])
             logits = net(x, m, t)
             w = torch.where(y < 0.5, torch.full_like(y, cfg.boundary_weight), torch.ones_like(y))

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..batching import length_buckets, pad_batch
+
 DEFAULT_FIXED_SIZE = 4
 DEFAULT_RANDOM_RATE = 0.2
 
@@ -97,17 +99,9 @@ class SentenceEmbedder:
             return out
         enc = self.tok([t or "" for t in texts], truncation=True, max_length=self.max_len, padding=False,
                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-        order = np.argsort([len(x) for x in enc], kind="stable")
         pad = self.tok.pad_token_id or 0
-        for s in range(0, len(order), batch_size):
-            idx = order[s : s + batch_size]
-            L = max(len(enc[i]) for i in idx)
-            ids = torch.full((len(idx), L), pad, dtype=torch.long)
-            mask = torch.zeros((len(idx), L), dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, : len(enc[i])] = torch.tensor(enc[i])
-                mask[r, : len(enc[i])] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
+        for idx in length_buckets([len(x) for x in enc], batch_size):
+            ids, mask = (t.to(self.device) for t in pad_batch(enc, idx, pad))
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
                 h = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
             m = mask.unsqueeze(-1).float()
