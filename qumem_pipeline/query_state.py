@@ -241,6 +241,27 @@ def _generate_with_retry(llm: LLMBackend, reqs: list[ChatRequest]) -> list[ChatR
     return results
 
 
+def answer_queries(
+    llm: LLMBackend, queries: Sequence[Query], todo: Sequence[int], notes: Callable[[int], str], *,
+    system: str, schema: dict, max_tokens: int, request_suffix: str, kind: str,
+    account: Callable[[int, ChatResult], None],
+) -> dict[int, str | None]:
+    """One batched answer call per query in ``todo`` over ``notes(i)`` (the qumem response step Psi
+    and AdaMem's working answer); unusable output twice gives None."""
+    results = _generate_with_retry(llm, [
+        ChatRequest(f"{queries[i].query_id}/{request_suffix}",
+                    [{"role": "system", "content": system},
+                     {"role": "user", "content": _user_msg(queries[i], notes(i) + '\n\nReturn {"answer": "..."}.')}],
+                    schema, max_tokens, kind)
+        for i in todo
+    ])
+    out: dict[int, str | None] = {}
+    for i, r in zip(todo, results):
+        account(i, r)
+        out[i] = (r.parsed or {}).get("answer") if r.ok else None
+    return out
+
+
 def validate_plan(raw: dict | None, query: str) -> tuple[list[tuple[str, list[str]]], str | None]:
     """Keep valid (query, stores) pairs; repair what can be repaired, and say why."""
     problems = []
@@ -437,16 +458,11 @@ def infer_user_states(
     responses: list[str | None] = [None] * n
     if respond:
         todo = [i for i in range(n) if states[i] is not None]
-        rr = _generate_with_retry(llm, [
-            ChatRequest(f"{queries[i].query_id}/psi",
-                        [{"role": "system", "content": RESPONSE_SYSTEM},
-                         {"role": "user", "content": _user_msg(queries[i], "Inferred user state: " + json.dumps(states[i]) + '\n\nReturn {"answer": "..."}.')}],
-                        RESPONSE_SCHEMA, RESPONSE_MAX_TOKENS, "response")
-            for i in todo
-        ])
-        for i, r in zip(todo, rr):
-            account(i, r)
-            responses[i] = (r.parsed or {}).get("answer") if r.ok else None
+        answers = answer_queries(llm, queries, todo, lambda i: "Inferred user state: " + json.dumps(states[i]),
+                                 system=RESPONSE_SYSTEM, schema=RESPONSE_SCHEMA, max_tokens=RESPONSE_MAX_TOKENS,
+                                 request_suffix="psi", kind="response", account=account)
+        for i, a in answers.items():
+            responses[i] = a
         step("response")
 
     by_id = {c.memory_id: c for cs in candidates for c in cs}

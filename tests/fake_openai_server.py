@@ -73,6 +73,14 @@ def make_handler(state: State):
         def log_message(self, *args) -> None:  # keep stderr quiet
             pass
 
+        def _hang_up(self) -> None:
+            """Close the socket mid-exchange, as a crashed server or a cut connection would."""
+            self.close_connection = True
+            try:
+                self.connection.shutdown(2)
+            except OSError:
+                pass
+
         def _send(self, status: int, body: bytes, headers: dict | None = None) -> None:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -109,11 +117,7 @@ def make_handler(state: State):
             if "hang" in resp:
                 time.sleep(float(resp["hang"]))
             if resp.get("drop"):
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(2)
-                except OSError:
-                    pass
+                self._hang_up()
                 return
             if "status" in resp and resp["status"] != 200:
                 headers = {}
@@ -130,11 +134,7 @@ def make_handler(state: State):
                 self.end_headers()
                 self.wfile.write(body_bytes[: len(body_bytes) // 2])
                 self.wfile.flush()
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(2)
-                except OSError:
-                    pass
+                self._hang_up()
                 return
             if "garbage" in resp:
                 self._send(200, str(resp["garbage"]).encode())

@@ -6,6 +6,7 @@ Needs /usr/bin/chromium (Debian's `chromium`, installed by scripts/install_syste
 (`playwright install`) is never used: the test launches Debian's binary.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -97,40 +98,9 @@ def _dismiss_first_visit_dialog(page) -> None:
     skip.wait_for(state="hidden")
 
 
-def _launch_backfill_in_ui(base_url: str, users: list[str], shots: Path) -> None:
-    """Asset graph -> select `turns` -> Materialize selected -> two users -> Launch backfill."""
-    from playwright.sync_api import expect, sync_playwright
-
-    expect.set_options(timeout=UI_TIMEOUT_MS)  # a busy 2-core machine: the 5 s default is too short
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            page.goto(base_url + "/asset-groups")
-            page.get_by_text("Materialize all").wait_for()
-            _dismiss_first_visit_dialog(page)
-            page.get_by_placeholder("Jump to").fill("turns")
-            page.get_by_role("menuitem", name="turns").or_(
-                page.locator("a,li,div[role=option]").filter(has_text="turns")).first.click()
-            page.get_by_role("button", name="Materialize selected").click()
-            dialog = page.get_by_role("dialog").filter(has_text="Launch runs to materialize turns")
-            expect(dialog).to_be_visible()
-            dialog.get_by_text("Select a partition or create one").click()
-            for user in users:
-                page.locator("span").get_by_text(user, exact=True).first.click()
-            page.keyboard.press("Escape")  # closes the partition picker, not the dialog
-            expect(dialog).to_contain_text(f"{len(users)} partitions")
-            page.wait_for_timeout(500)  # let the picker fade out of the picture
-            page.screenshot(path=str(shots / "ui_backfill_dialog.png"))
-            dialog.get_by_role("button", name="Launch backfill").click()
-            expect(dialog).to_have_count(0)
-            page.screenshot(path=str(shots / "ui_backfill_launched.png"))
-        finally:
-            browser.close()
-
-
-def _runs_page_screenshot(base_url: str, path: Path) -> None:
+@contextlib.contextmanager
+def _page(url: str):
+    """A page of headless Debian Chromium at ``url``; the browser is closed whatever happens."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -138,12 +108,43 @@ def _runs_page_screenshot(base_url: str, path: Path) -> None:
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
             page.set_default_timeout(UI_TIMEOUT_MS)
-            page.goto(base_url + "/runs")
-            page.get_by_text("Created at").wait_for()  # the runs table (its rows follow in one query)
-            page.wait_for_timeout(2000)
-            page.screenshot(path=str(path))
+            page.goto(url)
+            yield page
         finally:
             browser.close()
+
+
+def _launch_backfill_in_ui(base_url: str, users: list[str], shots: Path) -> None:
+    """Asset graph -> select `turns` -> Materialize selected -> two users -> Launch backfill."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=UI_TIMEOUT_MS)  # a busy 2-core machine: the 5 s default is too short
+    with _page(base_url + "/asset-groups") as page:
+        page.get_by_text("Materialize all").wait_for()
+        _dismiss_first_visit_dialog(page)
+        page.get_by_placeholder("Jump to").fill("turns")
+        page.get_by_role("menuitem", name="turns").or_(
+            page.locator("a,li,div[role=option]").filter(has_text="turns")).first.click()
+        page.get_by_role("button", name="Materialize selected").click()
+        dialog = page.get_by_role("dialog").filter(has_text="Launch runs to materialize turns")
+        expect(dialog).to_be_visible()
+        dialog.get_by_text("Select a partition or create one").click()
+        for user in users:
+            page.locator("span").get_by_text(user, exact=True).first.click()
+        page.keyboard.press("Escape")  # closes the partition picker, not the dialog
+        expect(dialog).to_contain_text(f"{len(users)} partitions")
+        page.wait_for_timeout(500)  # let the picker fade out of the picture
+        page.screenshot(path=str(shots / "ui_backfill_dialog.png"))
+        dialog.get_by_role("button", name="Launch backfill").click()
+        expect(dialog).to_have_count(0)
+        page.screenshot(path=str(shots / "ui_backfill_launched.png"))
+
+
+def _runs_page_screenshot(base_url: str, path: Path) -> None:
+    with _page(base_url + "/runs") as page:
+        page.get_by_text("Created at").wait_for()  # the runs table (its rows follow in one query)
+        page.wait_for_timeout(2000)
+        page.screenshot(path=str(path))
 
 
 def _wait_for_backfill(home: Path) -> tuple:

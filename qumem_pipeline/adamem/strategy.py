@@ -28,7 +28,7 @@ from qumem_pipeline.adamem.retriever import DEFAULT_K, Hit, UserBundle
 from qumem_pipeline.adamem.route import RoutePlan, plan_route
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.query_state import (
-    A3_SCHEMA, QUERY_QUARANTINE_SCHEMA, STATE_SCHEMA, Query, RetrievedMemory, StateOutput,
+    A3_SCHEMA, QUERY_QUARANTINE_SCHEMA, STATE_SCHEMA, Query, RetrievedMemory, StateOutput, answer_queries,
     _generate_with_retry, _render_candidates, _resolve_citations, _user_msg,
 )
 from qumem_pipeline.versions import CODE_VERSION
@@ -161,17 +161,11 @@ def infer_adamem_states(
         _resolve_citations(states[i], candidates[i]) if states[i] is not None else None for i in range(n)]
     answerable = [i for i in range(n) if resolved[i] is not None]
     responses: list[str | None] = [None] * n
-    ws = _generate_with_retry(llm, [
-        ChatRequest(f"{queries[i].query_id}/working",
-                    [{"role": "system", "content": WORKING_SYSTEM},
-                     {"role": "user", "content": _user_msg(queries[i], "Research notes: " + json.dumps(resolved[i][0])
-                                                           + '\n\nReturn {"answer": "..."}.')}],
-                    WORKING_SCHEMA, WORKING_MAX_TOKENS, "working_answer")
-        for i in answerable
-    ])
-    for i, r in zip(answerable, ws):
-        account(i, r)
-        responses[i] = (r.parsed or {}).get("answer") if r.ok else None
+    answers = answer_queries(llm, queries, answerable, lambda i: "Research notes: " + json.dumps(resolved[i][0]),
+                             system=WORKING_SYSTEM, schema=WORKING_SCHEMA, max_tokens=WORKING_MAX_TOKENS,
+                             request_suffix="working", kind="working_answer", account=account)
+    for i, a in answers.items():
+        responses[i] = a
     step("working answer")
 
     by_id = {c.memory_id: c for cs in candidates for c in cs}
