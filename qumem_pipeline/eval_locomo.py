@@ -17,6 +17,9 @@ Units (each covers a set of turns and costs its own word count):
 - ``episodes``: the product's episodes (``build_episodes_for_users``: continuity classifier over
   the primary user's utterances, the other speaker's turns as context, default token budget);
   text and cost exactly like windows (speaker prefix included);
+- ``episodes_matched_windows`` (with episodes): the control for episode boundaries - in every
+  session as many contiguous equal-length windows as there are episodes there (same unit count and
+  words, only the boundaries differ);
 - ``memories``: typed memories from a memories Parquet table (``--memories``), or built here
   (``--decompose``: every speaker's episodes through the decomposition step with the configured
   LLM, written per user under ``--memories-out``); a memory costs the words of its content and
@@ -225,6 +228,24 @@ def episode_units(conv: Conversation, episodes: pl.DataFrame | None) -> list[Eva
         rows = [row_of[t] for t in ids if t in row_of]
         if rows:
             out.append(_unit_from_rows(lines, rows))
+    return out
+
+
+def matched_window_units(conv: Conversation, episodes: pl.DataFrame | None) -> list[EvalUnit]:
+    """The control for episodes: in every session, as many contiguous equal-length windows as the
+    product made episodes there. Same sessions, same unit count, same total words; only where the
+    boundaries fall differs, so this row isolates what the continuity classifier's boundaries are worth."""
+    eps = episode_units(conv, episodes)
+    if not eps:
+        return []
+    lines = conv.lines()
+    per_session: dict[str, int] = defaultdict(int)
+    for u in eps:
+        per_session[lines[u.turn_rows[0]][1]] += 1
+    out: list[EvalUnit] = []
+    for rows in _session_rows(lines):
+        k = min(max(per_session.get(lines[rows[0]][1], 1), 1), len(rows))
+        out += [_unit_from_rows(lines, list(part)) for part in np.array_split(np.asarray(rows), k)]
     return out
 
 
@@ -653,6 +674,7 @@ def run_eval(
         kinds.append(("sessions", session_units))
     if episodes_by_user is not None and "episodes" in units:
         kinds.append(("episodes", lambda c: episode_units(c, episodes_by_user.get(c.user_id))))
+        kinds.append(("matched_windows", lambda c: matched_window_units(c, episodes_by_user.get(c.user_id))))
     if mem_df is not None:
         kinds.append(("memories", lambda c: memory_units(c, mem_df)))
     need_turn_vecs = any(k not in ("turns", "memories") for k, _ in kinds)
@@ -736,6 +758,7 @@ def run_eval(
             "fixed_chunks_by_size": {k.split("_")[1]: summary(k, cats, scoring) for k in window_keys} or None,
             "sessions": summary("sessions", cats, scoring),
             "episodes": summary("episodes", cats, scoring),
+            "episodes_matched_windows": summary("matched_windows", cats, scoring),
             "memories": summary("memories", cats, scoring),
         }
         if strategies:
@@ -839,7 +862,10 @@ def format_table(report: dict) -> str:
             out.append((f"window {s}", v))
         if block.get("fixed_chunks"):
             out.append((f"fixed (best={block['fixed_chunks']['window_turns']})", block["fixed_chunks"]))
-        out += [("sessions", block["sessions"]), ("episodes", block["episodes"]), ("memories", block["memories"])]
+        out += [("sessions", block["sessions"]), ("episodes", block["episodes"])]
+        if "episodes_matched_windows" in block:
+            out.append(("windows like eps", block["episodes_matched_windows"]))
+        out.append(("memories", block["memories"]))
         out += [(f"strategy {s}", v) for s, v in (block.get("strategies") or {}).items()]
         return out
 

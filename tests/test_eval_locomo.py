@@ -378,3 +378,17 @@ def test_harness_episodes_never_span_sessions(monkeypatch):
     assert split["c-caroline"]["turn_ids"].to_list() == [[0, 1, 2, 3], [4, 5]]
     assert split["c-caroline"]["episode_index"].to_list() == [0, 1]
     assert [u.turn_rows for u in episode_units(conv, split["c-caroline"])] == [(0, 1, 2, 3), (4, 5)]
+
+
+def test_matched_windows_copy_episode_count_per_session_not_boundaries():
+    """The control for episode boundaries: per session, as many equal windows as episodes there."""
+    from qumem_pipeline.eval_locomo import matched_window_units
+
+    conv = _toy_conversation()
+    # session 1 holds two episodes of uneven size (1 + 3 turns), session 2 one episode
+    eps = pl.DataFrame({"episode_index": [0, 1, 2], "turn_ids": [[0], [1, 2, 3], [4, 5]]})
+    ctrl = matched_window_units(conv, eps)
+    assert [u.turn_rows for u in ctrl] == [(0, 1), (2, 3), (4, 5)]
+    assert len(ctrl) == len(episode_units(conv, eps))
+    assert sum(u.words for u in ctrl) == sum(u.words for u in episode_units(conv, eps))
+    assert matched_window_units(conv, None) == []
