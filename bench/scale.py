@@ -2,7 +2,8 @@
 
     python bench/scale.py [--users 1000] [--turns 100] [--one-per-run-users 20] [--json]
 
-Each configuration starts from an empty data root and a fresh (SQLite) Dagster instance and is driven
+Each configuration starts from an empty data root and a fresh (SQLite) Dagster instance, configured by
+the repository's dagster.yaml exactly as `qumem` sets up a new DAGSTER_HOME, and is driven
 by the nightly schedule itself (assets/schedules.py) with users_per_run = 1, 10 or 100: its first
 evaluation registers every user and requests ranges, each range is executed with the in-process
 executor (turns -> episodes -> memories* -> memory_embeddings -> memory_indexes). A second evaluation
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -36,7 +38,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
 
 import dagster as dg  # noqa: E402
 import polars as pl  # noqa: E402
@@ -137,6 +140,13 @@ bench_job = dg.define_asset_job("scale_bench_job", selection=BENCH_ASSETS)
 
 # ------------------------------------------------------------------------------------ one configuration
 
+def product_instance(home: Path) -> dg.DagsterInstance:
+    """A fresh DAGSTER_HOME set up the way `qumem` sets one up: the repository's dagster.yaml."""
+    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    os.environ["DAGSTER_HOME"] = str(home)
+    return dg.DagsterInstance.local_temp(str(home))
+
+
 def run_config(archive: Path, work: Path, per_run: int, device: str | None) -> dict:
     """Fresh data root + instance; the nightly schedule plans the runs; execute each; then re-check."""
     (work / "home").mkdir(parents=True)
@@ -149,7 +159,7 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None) -> d
                    "embedder": EmbedderResource(device=device or "")},
     )
     job = defs.resolve_job_def(bench_job.name)
-    instance = dg.DagsterInstance.local_temp(str(work / "home"))
+    instance = product_instance(work / "home")
 
     def evaluate():
         ctx = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime.now(timezone.utc),

@@ -165,7 +165,7 @@ def _wait_for_backfill(home: Path) -> tuple:
     pytest.fail(f"backfill not finished within {BACKFILL_DONE_S}s: {last}")
 
 
-def test_backfill_of_two_users_from_the_ui(tmp_path):
+def test_backfill_of_two_users_from_the_ui(tmp_path, monkeypatch):
     archive = tmp_path / "archive"
     write_jsonl(archive / "a.jsonl",
                 conversation("alice", "c1", ["I'm planning a trip to Lisbon.", "Great!"])
@@ -175,6 +175,7 @@ def test_backfill_of_two_users_from_the_ui(tmp_path):
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))  # dagster.yaml's event log storage reads it, as in the README
     with dg.DagsterInstance.from_config(str(home)) as instance:  # what `qumem`/the sensor would register
         instance.add_dynamic_partitions("users", ["alice", "bob", "chen"])
 
