@@ -29,14 +29,20 @@ loads the instance (webserver, daemon, run workers, `qumem`) unless the environm
 """
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
+
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection
+from sqlalchemy.pool import NullPool
 
 from dagster._config import Field, IntSource, StringSource
 from dagster._core.events import DagsterEventType
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.event_log.schema import SqlEventLogStorageTable
-from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
+from dagster._core.storage.event_log.sqlite.sqlite_event_log import INDEX_SHARD_NAME, SqliteEventLogStorage
+from dagster._core.storage.sqlite import SQLITE_BUSY_TIMEOUT_SECONDS
 from dagster._core.storage.sqlalchemy_compat import db_result
 from dagster._serdes import ConfigurableClassData
 
@@ -98,24 +104,43 @@ class BatchedSqliteEventLogStorage(SqliteEventLogStorage):
         by_run: dict[str, list[dict]] = {}
         for event, row in zip(events, rows):
             by_run.setdefault(event.run_id, []).append(row)
-        for run_id, run_rows in by_run.items():
-            with self.run_connection(run_id) as conn:
-                conn.execute(SqlEventLogStorageTable.insert(), run_rows)
-        with self.index_transaction() as conn:
-            event_ids = []
-            for row in rows:  # one by one: each event's index id is needed for its tags and asset row
-                with db_result(conn, SqlEventLogStorageTable.insert().values(**row)) as result:
-                    event_ids.append(result.inserted_primary_key[0])
-            self._store_asset_event_tags(conn, events, event_ids)
-            # The asset-keys row is an upsert that overwrites the columns each event type sets, so
-            # applying, in order, the last event of each (asset, event type) leaves it exactly as
-            # applying every event would.
-            last: dict[tuple[str, str], int] = {}
-            for i, event in enumerate(events):
-                dagster_event = event.get_dagster_event()
-                last[(dagster_event.asset_key.to_string(), dagster_event.event_type_value)] = i
-            for i in sorted(last.values()):
-                self._store_asset_event(conn, events[i], event_ids[i])
+        # Both databases' transactions are open together and the index commits first: if the index
+        # write fails, the run rows roll back too, so Dagster's fallback (storing the batch again one
+        # event at a time) cannot duplicate them. Stock storage never holds two SQLite write locks at
+        # once, so holding the run database's while waiting for the index's cannot deadlock with it.
+        with self._db_lock, ExitStack() as stack:
+            for run_id, run_rows in by_run.items():
+                stack.enter_context(self._open_transaction(run_id)).execute(SqlEventLogStorageTable.insert(), run_rows)
+            with self._open_transaction(INDEX_SHARD_NAME) as conn:
+                event_ids = []
+                for row in rows:  # one by one: each event's index id is needed for its tags and asset row
+                    with db_result(conn, SqlEventLogStorageTable.insert().values(**row)) as result:
+                        event_ids.append(result.inserted_primary_key[0])
+                self._store_asset_event_tags(conn, events, event_ids)
+                # The asset-keys row is an upsert that overwrites the columns each event type sets, so
+                # applying, in order, the last event of each (asset, event type) leaves it exactly as
+                # applying every event would.
+                last: dict[tuple[str, str], int] = {}
+                for i, event in enumerate(events):
+                    dagster_event = event.get_dagster_event()
+                    last[(dagster_event.asset_key.to_string(), dagster_event.event_type_value)] = i
+                for i in sorted(last.values()):
+                    self._store_asset_event(conn, events[i], event_ids[i])
+
+    @contextmanager
+    def _open_transaction(self, shard: str) -> Iterator[Connection]:
+        """`SqliteEventLogStorage._connect` without taking `_db_lock` (the caller holds it), so that
+        two shards' transactions can be open at once."""
+        engine = create_engine(self.conn_string_for_shard(shard), poolclass=NullPool,
+                               connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS})
+        try:
+            if shard not in self._initialized_dbs:
+                self._initdb(engine)
+                self._initialized_dbs.add(shard)
+            with engine.connect() as conn, conn.begin():
+                yield conn
+        finally:
+            engine.dispose()
 
 
 def _batchable(event: EventLogEntry) -> bool:

@@ -140,3 +140,29 @@ def test_a_mixed_batch_is_written_in_order(batched):
     after = batched.all_logs(result.run_id)
     assert len(after) == len(entries) + 4
     assert [dg.serialize_value(e) for e in after[-4:]] == [dg.serialize_value(e) for e in batch]
+
+
+def test_failed_index_write_leaves_no_run_rows_for_dagsters_fallback(batched, monkeypatch):
+    """If the index write of a batch fails, the batch's run rows roll back too: Dagster then stores the
+    batch again one event at a time, and every event must end up recorded exactly once."""
+    batched.add_dynamic_partitions("users", USERS)
+    result = defs.resolve_job_def("events_job").execute_in_process(
+        instance=batched, tags={RANGE_START: "ann", RANGE_END: "ben"},
+    )
+    storage = batched.event_log_storage
+    batch = [e for e in batched.all_logs(result.run_id) if e.dagster_event_type in ASSET_EVENTS][:3]
+    before = len(batched.all_logs(result.run_id))
+    index_before = len(storage.get_event_tags_for_asset(good.key))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("index database is full")
+
+    monkeypatch.setattr(storage, "_store_asset_event_tags", broken)
+    with pytest.raises(RuntimeError, match="index database is full"):
+        storage.store_event_batch(batch)
+    assert len(batched.all_logs(result.run_id)) == before  # nothing half-written in the run database
+    monkeypatch.undo()
+    for e in batch:  # what Dagster's fallback does after a failed batch
+        storage.store_event(e)
+    assert len(batched.all_logs(result.run_id)) == before + 3
+    assert len(storage.get_event_tags_for_asset(good.key)) >= index_before
