@@ -162,11 +162,11 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None) -> d
     instance = product_instance(work / "home")
 
     def evaluate():
-        ctx = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime.now(timezone.utc),
-                                        resources={"pipeline": pipeline}, repository_def=defs.get_repository_def())
-        t = time.perf_counter()
-        data = schedule.evaluate_tick(ctx)
-        return data, time.perf_counter() - t
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime.now(timezone.utc),
+                                       resources={"pipeline": pipeline}, repository_def=defs.get_repository_def()) as ctx:
+            t = time.perf_counter()
+            data = schedule.evaluate_tick(ctx)
+            return data, time.perf_counter() - t
 
     first, first_check_s = evaluate()
     wall = stage = 0.0

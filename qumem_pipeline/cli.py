@@ -4,9 +4,9 @@ the same home shows every run the CLI made. Dagster is imported only by those co
 """
 
 import argparse
+import fcntl
 import hashlib
 import json
-import fcntl
 import os
 import shutil
 import sys

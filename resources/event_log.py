@@ -33,18 +33,20 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from sqlalchemy import create_engine
-from sqlalchemy.engine import Connection
-from sqlalchemy.pool import NullPool
-
 from dagster._config import Field, IntSource, StringSource
 from dagster._core.events import DagsterEventType
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.event_log.schema import SqlEventLogStorageTable
-from dagster._core.storage.event_log.sqlite.sqlite_event_log import INDEX_SHARD_NAME, SqliteEventLogStorage
-from dagster._core.storage.sqlite import SQLITE_BUSY_TIMEOUT_SECONDS
+from dagster._core.storage.event_log.sqlite.sqlite_event_log import (
+    INDEX_SHARD_NAME,
+    SqliteEventLogStorage,
+)
 from dagster._core.storage.sqlalchemy_compat import db_result
+from dagster._core.storage.sqlite import SQLITE_BUSY_TIMEOUT_SECONDS
 from dagster._serdes import ConfigurableClassData
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection
+from sqlalchemy.pool import NullPool
 
 DEFAULT_EVENT_BATCH_SIZE = 1000
 BATCH_SIZE_ENV = "DAGSTER_EVENT_BATCH_SIZE"

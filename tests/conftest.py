@@ -1,5 +1,6 @@
 import json
 import os
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -85,3 +86,16 @@ def dagster_env(tmp_path: Path, monkeypatch):
         monkeypatch.setenv("QUMEM_ARCHIVE", str(path))
 
     return data_root, set_archive
+
+
+@contextmanager
+def local_instance(home: Path):
+    """A persistent (SQLite) Dagster instance in `home`, disposed afterwards; no process-global state."""
+    import dagster as dg
+
+    home.mkdir(parents=True, exist_ok=True)
+    inst = dg.DagsterInstance.local_temp(str(home))
+    try:
+        yield inst
+    finally:
+        inst.dispose()

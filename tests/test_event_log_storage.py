@@ -11,7 +11,7 @@ import pytest
 
 from assets.partitions import user_backfill_policy, users_partitions
 from resources.event_log import BATCH_SIZE_ENV, BatchedSqliteEventLogStorage
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, local_instance
 
 USERS = ["ann", "ben", "cal", "dee"]
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
@@ -82,10 +82,8 @@ def _recorded(instance) -> dict:
 
 @pytest.fixture
 def stock(tmp_path):
-    (tmp_path / "stock").mkdir()
-    inst = dg.DagsterInstance.local_temp(str(tmp_path / "stock"))
-    yield inst
-    inst.dispose()
+    with local_instance(tmp_path / "stock") as inst:
+        yield inst
 
 
 @pytest.fixture

@@ -12,9 +12,14 @@ import pytest
 from assets.ingest import turns
 from assets.partitions import users_partitions
 from assets.schedules import build_nightly_schedule, recorded_fingerprints
-from qumem_pipeline.incremental import contiguous_ranges, plan_rebuild, recorded_form, unfinished
+from qumem_pipeline.incremental import (
+    contiguous_ranges,
+    plan_rebuild,
+    recorded_form,
+    unfinished,
+)
 from resources import PipelineConfig
-from tests.conftest import conversation, write_jsonl
+from tests.conftest import conversation, local_instance, write_jsonl
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 TICK = datetime(2026, 11, 30, 2, 0, tzinfo=timezone.utc)
@@ -72,11 +77,13 @@ def _defs(schedule, pipeline) -> dg.Definitions:
 
 
 def _evaluate(schedule, instance, pipeline):
-    ctx = dg.build_schedule_context(
+    # A schedule context opens an instance from the ref it is given; leaving it open would leave that
+    # instance's state storage as Dagster's current one for every later test, so close it.
+    with dg.build_schedule_context(
         instance=instance, scheduled_execution_time=TICK, resources={"pipeline": pipeline},
         repository_def=_defs(schedule, pipeline).get_repository_def(),
-    )
-    return schedule.evaluate_tick(ctx)
+    ) as ctx:
+        return schedule.evaluate_tick(ctx)
 
 
 def _users_of(request) -> tuple[str, str]:
@@ -93,11 +100,9 @@ def _execute(instance, request, schedule, pipeline):
 
 @pytest.fixture
 def instance(tmp_path):
-    """A persistent (SQLite) instance, as build_schedule_context requires; no process-global state."""
-    (tmp_path / "dagster_home").mkdir()
-    inst = dg.DagsterInstance.local_temp(str(tmp_path / "dagster_home"))
-    yield inst
-    inst.dispose()
+    """A persistent (SQLite) instance, as build_schedule_context requires."""
+    with local_instance(tmp_path / "dagster_home") as inst:
+        yield inst
 
 
 def test_schedule_requests_only_new_and_changed_users(tmp_path, instance):
@@ -184,9 +189,9 @@ def test_schedule_finishes_users_whose_run_failed_after_turns(tmp_path, instance
     defs = dg.Definitions(assets=[turns, turn_counts], jobs=[job], schedules=[schedule], resources={"pipeline": pipeline})
 
     def evaluate():
-        ctx = dg.build_schedule_context(instance=instance, scheduled_execution_time=TICK,
-                                        resources={"pipeline": pipeline}, repository_def=defs.get_repository_def())
-        return schedule.evaluate_tick(ctx)
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=TICK,
+                                       resources={"pipeline": pipeline}, repository_def=defs.get_repository_def()) as ctx:
+            return schedule.evaluate_tick(ctx)
 
     def execute(request):
         return defs.resolve_job_def("turns_and_counts").execute_in_process(
