@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from assets.ingest import turns  # noqa: E402
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions  # noqa: E402
 from assets.retrieval import memory_embeddings, memory_indexes  # noqa: E402
 from assets.schedules import build_nightly_schedule  # noqa: E402
+from qumem_pipeline.cli import install_instance_config  # noqa: E402
 from qumem_pipeline.decompose import MEMORY_SCHEMA, MEMORY_TYPES  # noqa: E402
 from qumem_pipeline.episodes import user_pairs  # noqa: E402
 from resources import PipelineConfig  # noqa: E402
@@ -142,7 +142,7 @@ bench_job = dg.define_asset_job("scale_bench_job", selection=BENCH_ASSETS)
 
 def product_instance(home: Path) -> dg.DagsterInstance:
     """A fresh DAGSTER_HOME set up the way `qumem` sets one up: the repository's dagster.yaml."""
-    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    install_instance_config(home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(home)
     return dg.DagsterInstance.local_temp(str(home))
 

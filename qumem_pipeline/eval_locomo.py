@@ -244,7 +244,7 @@ def matched_window_units(conv: Conversation, episodes: pl.DataFrame | None) -> l
         per_session[lines[u.turn_rows[0]][1]] += 1
     out: list[EvalUnit] = []
     for rows in _session_rows(lines):
-        k = min(max(per_session.get(lines[rows[0]][1], 1), 1), len(rows))
+        k = min(per_session.get(lines[rows[0]][1], 1), len(rows))  # a session without episodes: one window
         out += [_unit_from_rows(lines, list(part)) for part in np.array_split(np.asarray(rows), k)]
     return out
 

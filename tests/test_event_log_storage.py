@@ -4,14 +4,14 @@ what the stock storage records: the same asset events per run, the same per-part
 (materialized / failed) the UI shows, the same asset rows and tags.
 """
 
-import shutil
 
 import dagster as dg
 import pytest
 
 from assets.partitions import user_backfill_policy, users_partitions
+from qumem_pipeline.cli import install_instance_config
 from resources.event_log import BATCH_SIZE_ENV, BatchedSqliteEventLogStorage
-from tests.conftest import REPO_ROOT, local_instance
+from tests.conftest import local_instance
 
 USERS = ["ann", "ben", "cal", "dee"]
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
@@ -91,7 +91,7 @@ def batched(tmp_path, monkeypatch):
     """The repository's dagster.yaml, as `qumem` installs it into a fresh DAGSTER_HOME."""
     home = tmp_path / "home"
     home.mkdir()
-    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    install_instance_config(home / "dagster.yaml")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     monkeypatch.delenv(BATCH_SIZE_ENV, raising=False)  # restored after the test
     inst = dg.DagsterInstance.local_temp(str(home))

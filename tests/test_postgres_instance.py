@@ -7,13 +7,13 @@ scripts/install_system_deps.sh). Each test run works in a database of its own, d
 import importlib
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
 
 import dagster as dg
 import pytest
 
+from qumem_pipeline.cli import install_instance_config
 from tests.conftest import REPO_ROOT
 
 PG_VARS = ("DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_USER", "DAGSTER_PG_PASSWORD", "DAGSTER_PG_DB")
@@ -61,7 +61,7 @@ def test_partitioned_materialization_is_recorded_in_postgres(tmp_path, dagster_e
     set_archive(small_archive)
     home = tmp_path / "dagster_home"
     home.mkdir()
-    shutil.copy(REPO_ROOT / "deploy" / "postgres" / "dagster.yaml", home / "dagster.yaml")
+    install_instance_config(home / "dagster.yaml", source=REPO_ROOT / "deploy" / "postgres" / "dagster.yaml")
 
     import assets.definitions as definitions
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from qumem_pipeline.cli import install_instance_config
 from tests.conftest import REPO_ROOT, conversation, write_jsonl
 
 CHROMIUM = "/usr/bin/chromium"
@@ -174,7 +175,7 @@ def test_backfill_of_two_users_from_the_ui(tmp_path, monkeypatch):
     data_root = tmp_path / "data"
     home = tmp_path / "dagster_home"
     home.mkdir()
-    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    install_instance_config(home / "dagster.yaml")
     monkeypatch.setenv("DAGSTER_HOME", str(home))  # dagster.yaml's event log storage reads it, as in the README
     with dg.DagsterInstance.from_config(str(home)) as instance:  # what `qumem`/the sensor would register
         instance.add_dynamic_partitions("users", ["alice", "bob", "chen"])
