@@ -83,3 +83,19 @@ def test_single_user_fingerprint_matches_reference_on_unsorted_frame(tmp_path):
     res = load_archive(ArchiveConfig(str(archive(tmp_path))))
     alice = res.turns.filter(pl.col("user_id") == "alice").reverse()
     assert fingerprint_user(alice) == reference_fingerprint(alice)
+
+
+def test_fingerprints_across_row_blocks_equal_reference(tmp_path, monkeypatch):
+    """Users are hashed in blocks of rows; a user larger than a block, and blocks holding several
+    users, must give the same values as one user at a time."""
+    import qumem_pipeline.ingest as ingest
+
+    res = load_archive(ArchiveConfig(str(archive(tmp_path))))
+    expected = {u: reference_fingerprint(res.turns.filter(pl.col("user_id") == u)) for u in ("alice", "bob", "chen")}
+    for block in (1, 2, 4, 6, 1 << 17):
+        monkeypatch.setattr(ingest, "_FINGERPRINT_BLOCK_ROWS", block)
+        assert user_fingerprints(res.turns) == expected, block
+        assert {u: s["fingerprint"] for u, s in write_users(DataLayout(tmp_path / f"d{block}"), res, list(expected)).items()} == expected
+        # A run writing some users hashes (and records) those users only.
+        assert ingest.UserRuns(res.turns).fingerprints(["chen", "alice"]) == {u: expected[u] for u in ("alice", "chen")}
+        assert write_users(DataLayout(tmp_path / f"s{block}"), res, ["bob"])["bob"]["fingerprint"] == expected["bob"]

@@ -51,6 +51,7 @@ class TrainConfig:
     threads: int = 2
     swap_aug: bool = False  # also train on (b, a) with the same label (continuity is ~symmetric)
     label_smoothing: float = 0.0  # BCE targets y -> y * (1 - eps) + eps / 2
+    cross_neg: float = 0.0  # extra "new event" pairs per train pair: (a, utterance of another dialogue)
     bucket_chunk: int = 0  # >1: batches per length-sorted chunk (less padding); 0: plain random batches
     max_steps: int | None = None  # for tests: stop after this many optimizer steps
     train_limit: int | None = None  # for tests: use only the first N train pairs
@@ -78,6 +79,29 @@ def epoch_batches(gen: np.random.Generator, lengths: np.ndarray, batch_size: int
     if chunk and chunk > 1:
         batches = [batches[i] for i in gen.permutation(len(batches))]
     return batches
+
+
+def cross_dialogue_negatives(pairs: list[Pair], rate: float, seed: int) -> list[tuple[str, str]]:
+    """Sure "new event" pairs: an utterance followed by one drawn from a different dialogue.
+
+    TIAGE train has ~1.1k boundaries; these add topic changes with no shared thread at all, seeded."""
+    rng = np.random.default_rng(seed + 7919)
+    by_dial: dict[str, list[str]] = {}
+    for p in pairs:
+        by_dial.setdefault(p.dial_id, []).append(p.b)
+    dials = list(by_dial)
+    if len(dials) < 2:
+        return []
+    out = []
+    n = int(round(rate * len(pairs)))
+    for i in rng.choice(len(pairs), size=n, replace=n > len(pairs)):
+        p = pairs[int(i)]
+        other = dials[int(rng.integers(len(dials)))]
+        while other == p.dial_id:
+            other = dials[int(rng.integers(len(dials)))]
+        utts = by_dial[other]
+        out.append((p.a, utts[int(rng.integers(len(utts)))]))
+    return out
 
 
 def predict_net(net: ContinuityNet, tokenizer, pairs: list[Pair], max_len: int, batch_size: int) -> np.ndarray:
@@ -210,6 +234,10 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
     if cfg.swap_aug:
         raw += [(p.b, p.a) for p in train_pairs]
         labels = np.concatenate([labels, labels])
+    if cfg.cross_neg:
+        extra = cross_dialogue_negatives(train_pairs, cfg.cross_neg, seed)
+        raw += extra
+        labels = np.concatenate([labels, np.zeros(len(extra), dtype=np.float32)])
     ids, types = tokenize_pairs(tok, raw, mcfg.max_len)
     lengths = np.array([len(x) for x in ids])
     n = len(raw)
@@ -308,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swap-aug", type=int, choices=[0, 1], default=int(TrainConfig.swap_aug),
                     help="1: also train on swapped (b, a) pairs")
     ap.add_argument("--label-smoothing", type=float, default=TrainConfig.label_smoothing)
+    ap.add_argument("--cross-neg", type=float, default=TrainConfig.cross_neg,
+                    help="extra cross-dialogue 'new event' pairs per train pair (0 = off)")
     ap.add_argument("--train-limit", type=int, default=None)
     ap.add_argument("--threads", type=int, default=TrainConfig.threads)
     ap.add_argument("--max-steps", type=int, default=None)
@@ -318,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, head_lr=args.head_lr,
                       boundary_weight=args.boundary_weight, threads=args.threads,
                       max_steps=args.max_steps, bucket_chunk=args.bucket_chunk, swap_aug=bool(args.swap_aug),
-                      label_smoothing=args.label_smoothing, train_limit=args.train_limit, model=mcfg,
+                      label_smoothing=args.label_smoothing, cross_neg=args.cross_neg, train_limit=args.train_limit, model=mcfg,
                       cli_args=tuple(sys.argv[1:] if argv is None else argv))
     res = train(args.out, args.seed, cfg)
     print(json.dumps({"version": res["version"], "threshold": res["threshold"], "metrics": res["metrics"],
