@@ -112,39 +112,64 @@ class UserRuns:
         return self.turns.slice(*rows) if rows else self.empty
 
     def fingerprints(self, users: Iterable[str] | None = None) -> dict[str, str]:
-        """user -> fingerprint (every user with turns, or those of ``users`` that have turns),
-        the lines built in one pass per block of rows.
+        """user -> fingerprint (every user with turns, or those of ``users`` that have turns)."""
+        out: dict[str, str] = {}
+        for block in self.fingerprint_blocks(users):
+            out.update(block.hash())
+        return out
+
+    def fingerprint_blocks(self, users: Iterable[str] | None = None) -> list["FingerprintBlock"]:
+        """The wanted users cut into blocks of whole users of at most ~128k rows (a bigger user is
+        a block of its own), in history order; each block is hashed in one pass, independently.
 
         Building the lines per user cost ~0.7 ms of fixed overhead each (a select and an Arrow
-        export per user): at 1,000 users that was more than the line building itself. Here a block
-        of whole users (~128k rows) becomes one Arrow string array whose lines end in "\x1e";
-        each user's lines are one contiguous byte range of it, hashed without a copy. With
+        export per user): at 1,000 users that was more than the line building itself. With
         ``users``, rows of other users fall inside a block only when they lie between two wanted
         users within one block's span.
         """
-        out: dict[str, str] = {}
         wanted = None if users is None else set(users)
         runs = [r for r in self._rows.items() if wanted is None or r[0] in wanted]
+        blocks = []
         i = 0
         while i < len(runs):
             first = runs[i][1][0]
             j = i + 1
             while j < len(runs) and runs[j][1][0] + runs[j][1][1] - first <= _FINGERPRINT_BLOCK_ROWS:
                 j += 1
-            last = runs[j - 1][1][0] + runs[j - 1][1][1]
-            lines = (
-                self.turns.slice(first, last - first)
-                .select(_line_expr() + "\x1e")
-                .to_series()
-                .to_arrow(compat_level=pl.CompatLevel.oldest())  # large_string: int64 offsets
-            )
-            _, offsets, data = lines.buffers()
-            bounds = np.frombuffer(offsets, dtype=np.int64)[lines.offset :]
-            view = memoryview(data)
-            for user, (start, n) in runs[i:j]:
-                begin, end = int(bounds[start - first]), int(bounds[start - first + n])
-                out[user] = hashlib.sha256(view[begin : end - 1]).hexdigest()  # no separator after the last
+            blocks.append(FingerprintBlock(self.turns, runs[i:j]))
             i = j
+        return blocks
+
+
+class FingerprintBlock:
+    """Consecutive users of a history-ordered table, hashed together: their rows become one Arrow
+    string array whose lines end in "\x1e", so each user's lines are one contiguous byte range of
+    it, hashed without a copy."""
+
+    def __init__(self, turns: pl.DataFrame, runs: list[tuple[str, tuple[int, int]]]):
+        self.turns = turns
+        self.runs = runs
+
+    @property
+    def users(self) -> list[str]:
+        return [u for u, _ in self.runs]
+
+    def hash(self) -> dict[str, str]:
+        first = self.runs[0][1][0]
+        last = self.runs[-1][1][0] + self.runs[-1][1][1]
+        lines = (
+            self.turns.slice(first, last - first)
+            .select(_line_expr() + "\x1e")
+            .to_series()
+            .to_arrow(compat_level=pl.CompatLevel.oldest())  # large_string: int64 offsets
+        )
+        _, offsets, data = lines.buffers()
+        bounds = np.frombuffer(offsets, dtype=np.int64)[lines.offset :]
+        view = memoryview(data)
+        out = {}
+        for user, (start, n) in self.runs:
+            begin, end = int(bounds[start - first]), int(bounds[start - first + n])
+            out[user] = hashlib.sha256(view[begin : end - 1]).hexdigest()  # no separator after the last
         return out
 
 
@@ -182,7 +207,7 @@ def write_users(
         layout.write_user_table("turns", u, t)
         layout.write_or_remove_user_table("quarantine", u, qq)
         # Recorded only after the user's data is in place: a fingerprint vouches for its turns.
-        fp = fingerprints.result().get(u, _EMPTY_FINGERPRINT)
+        fp = fingerprints[u].result()[u] if u in fingerprints else _EMPTY_FINGERPRINT
         layout.write_user_table(
             "fingerprints",
             u,
@@ -193,11 +218,15 @@ def write_users(
         )
         return u, {"turns": t.height, "quarantined": qq.height, "fingerprint": fp}
 
-    # Parquet encoding and file I/O release the GIL: a few writer threads keep every core busy,
-    # while one more thread builds the fingerprints (a single pass over the lines) alongside.
+    # Parquet encoding, line building, hashing and file I/O release the GIL: a few writer threads
+    # keep every core busy. The fingerprint blocks go into the queue first, so every block has
+    # started (on some thread) before any user's write can wait for it: no deadlock.
     stats: dict[str, dict] = {}
-    with ThreadPoolExecutor(max_workers=1) as hasher, ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:
-        fingerprints = hasher.submit(runs.fingerprints, user_ids)
+    fingerprints: dict = {}
+    with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:
+        for block in runs.fingerprint_blocks(user_ids):
+            future = pool.submit(block.hash)
+            fingerprints.update(dict.fromkeys(block.users, future))
         for i, (u, st) in enumerate(pool.map(write_one, user_ids), start=1):
             stats[u] = st
             if progress:

@@ -100,3 +100,21 @@ def test_seg_pair_pooling_trains_and_loads(tmp_path):
     assert clf.net.cfg.pooling == "seg_pair" and clf.net.head[-1].in_features == 3 * 384
     p = clf.predict_same_proba([(a, b) for a, b in SAME[:2]])
     assert p.shape == (2,) and np.all((p >= 0) & (p <= 1))
+
+
+def test_cross_dialogue_negatives_pair_utterances_of_different_dialogues(tmp_path):
+    from qumem_pipeline.continuity.train import cross_dialogue_negatives
+
+    pairs = _pairs()
+    dial_of = {}
+    for p in pairs:
+        dial_of.setdefault(p.b, set()).add(p.dial_id)
+    extra = cross_dialogue_negatives(pairs, 0.5, seed=3)
+    assert len(extra) == 4 and extra == cross_dialogue_negatives(pairs, 0.5, seed=3)  # seeded
+    for a, b in extra:
+        a_dials = {p.dial_id for p in pairs if p.a == a}
+        assert dial_of[b].isdisjoint(a_dials), (a, b)  # b never comes from a's own dialogue
+    cfg = TrainConfig(epochs=1, batch_size=4, max_steps=2, eval_batch_size=8, cross_neg=0.5,
+                      model=ModelConfig(max_len=32, lora_r=2))
+    res = train(None, seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[], log=lambda m: None)
+    assert res["train"]["n_train_pairs"] == len(pairs) + 4 and res["train"]["cross_neg"] == 0.5
