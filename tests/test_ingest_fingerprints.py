@@ -8,7 +8,13 @@ import sys
 import polars as pl
 
 from qumem_pipeline.discovery import discover
-from qumem_pipeline.ingest import ArchiveConfig, fingerprint_user, load_archive, user_fingerprints, write_users
+from qumem_pipeline.ingest import (
+    ArchiveConfig,
+    fingerprint_user,
+    load_archive,
+    user_fingerprints,
+    write_users,
+)
 from qumem_pipeline.storage import DataLayout
 from tests.conftest import conversation, write_jsonl
 
@@ -88,7 +94,7 @@ def test_single_user_fingerprint_matches_reference_on_unsorted_frame(tmp_path):
 def test_fingerprints_across_row_blocks_equal_reference(tmp_path, monkeypatch):
     """Users are hashed in blocks of rows; a user larger than a block, and blocks holding several
     users, must give the same values as one user at a time."""
-    import qumem_pipeline.ingest as ingest
+    from qumem_pipeline import ingest
 
     res = load_archive(ArchiveConfig(str(archive(tmp_path))))
     expected = {u: reference_fingerprint(res.turns.filter(pl.col("user_id") == u)) for u in ("alice", "bob", "chen")}

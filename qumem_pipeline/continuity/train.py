@@ -27,10 +27,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
+from ..batching import pad_batch
 from ..segeval.metrics import evaluate
 from .base import BASE_MODEL_NAME, base_weights_sha256, load_tokenizer
 from .data import Pair, dialogue_pairs, load_tiage
-from ..batching import pad_batch
 from .inference import ADAPTER_FILE, prepare_batches, tokenize_pairs
 from .model import ContinuityNet, ModelConfig
 from .tune_decoding import rule_metrics, tune, versioned_config, write_config_atomic
@@ -93,7 +93,7 @@ def cross_dialogue_negatives(pairs: list[Pair], rate: float, seed: int) -> list[
     if len(dials) < 2:
         return []
     out = []
-    n = int(round(rate * len(pairs)))
+    n = round(rate * len(pairs))
     for i in rng.choice(len(pairs), size=n, replace=n > len(pairs)):
         p = pairs[int(i)]
         other = dials[int(rng.integers(len(dials)))]
