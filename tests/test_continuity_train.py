@@ -118,3 +118,18 @@ def test_cross_dialogue_negatives_pair_utterances_of_different_dialogues(tmp_pat
                       model=ModelConfig(max_len=32, lora_r=2))
     res = train(None, seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[], log=lambda m: None)
     assert res["train"]["n_train_pairs"] == len(pairs) + 4 and res["train"]["cross_neg"] == 0.5
+
+
+def test_weight_averaging_candidate_is_evaluated_and_loadable(tmp_path):
+    pairs = _pairs()
+    cfg = TrainConfig(epochs=3, batch_size=8, lr=3e-3, head_lr=1e-2, warmup_frac=0.0, eval_batch_size=8,
+                      swa_from=2, model=ModelConfig(max_len=32, lora_r=2, head_dropout=0.0))
+    res = train(tmp_path / "art", seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[],
+                log=lambda m: None)
+    labels = [h["epoch"] for h in res["history"]]
+    assert labels == [1, 2, 3, "swa2-3"], labels  # the mean of epochs 2 and 3 was scored on dev
+    assert res["train"]["swa_from"] == 2
+    from qumem_pipeline.continuity import ContinuityClassifier
+
+    clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
+    assert clf.predict_same_proba([SAME[0]]).shape == (1,)

@@ -52,6 +52,7 @@ class TrainConfig:
     swap_aug: bool = False  # also train on (b, a) with the same label (continuity is ~symmetric)
     label_smoothing: float = 0.0  # BCE targets y -> y * (1 - eps) + eps / 2
     cross_neg: float = 0.0  # extra "new event" pairs per train pair: (a, utterance of another dialogue)
+    swa_from: int = 0  # >0: from this epoch on, the running mean of the epoch-end weights is a candidate too
     bucket_chunk: int = 0  # >1: batches per length-sorted chunk (less padding); 0: plain random batches
     max_steps: int | None = None  # for tests: stop after this many optimizer steps
     train_limit: int | None = None  # for tests: use only the first N train pairs
@@ -260,6 +261,7 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
     losses: list[float] = []
     history = []
     best = None
+    swa = None
     step = 0
     pad_id = tok.pad_token_id or 0
     for epoch in range(cfg.epochs):
@@ -288,12 +290,28 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
         thr, dev_m = choose_threshold(dev_pairs, p_dev)
         history.append({"epoch": epoch + 1, "step": step, "threshold": thr, **{f"dev_{k}": v for k, v in dev_m.items()}})
         log(f"epoch {epoch + 1}: dev Pk {dev_m['pk']:.4f} WD {dev_m['windowdiff']:.4f} F1 {dev_m['f1']:.4f} thr {thr:.2f} ({time.time() - t0:.0f}s)")
-        if best is None or dev_m["pk"] < best["dev"]["pk"]:
-            best = {"epoch": epoch + 1, "threshold": thr, "dev": dev_m, "state": net.trainable_state(),
-                    "p_dev": p_dev}
-            if out_dir is not None and checkpoint:  # usable artifact even if the run is cut short
-                _write_artifact(out_dir, best["state"], _artifact_config(
-                    cfg, seed, best, history, {}, n, step, time.time() - t0, partial=True))
+        candidates = [(epoch + 1, thr, dev_m, net.trainable_state(), p_dev)]
+        if cfg.swa_from and epoch + 1 >= cfg.swa_from:
+            # Weight averaging over epoch ends: one model (one forward per pair), flatter optimum.
+            k = epoch + 2 - cfg.swa_from
+            cur = candidates[0][3]
+            swa = cur if swa is None else {name: swa[name] + (cur[name] - swa[name]) / k for name in cur}
+            if k > 1:
+                net.load_trainable_state(swa)
+                p_swa = predict_net(net, tok, dev_pairs, mcfg.max_len, cfg.eval_batch_size)
+                net.load_trainable_state(cur)
+                thr_s, dev_s = choose_threshold(dev_pairs, p_swa)
+                label = f"swa{cfg.swa_from}-{epoch + 1}"
+                history.append({"epoch": label, "step": step, "threshold": thr_s,
+                                **{f"dev_{key}": v for key, v in dev_s.items()}})
+                log(f"{label}: dev Pk {dev_s['pk']:.4f} WD {dev_s['windowdiff']:.4f} F1 {dev_s['f1']:.4f} thr {thr_s:.2f}")
+                candidates.append((label, thr_s, dev_s, {name: v.clone() for name, v in swa.items()}, p_swa))
+        for ep, thr_c, dev_c, state_c, p_c in candidates:
+            if best is None or dev_c["pk"] < best["dev"]["pk"]:
+                best = {"epoch": ep, "threshold": thr_c, "dev": dev_c, "state": state_c, "p_dev": p_c}
+                if out_dir is not None and checkpoint:  # usable artifact even if the run is cut short
+                    _write_artifact(out_dir, best["state"], _artifact_config(
+                        cfg, seed, best, history, {}, n, step, time.time() - t0, partial=True))
         if cfg.max_steps and step >= cfg.max_steps:
             break
 
@@ -338,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label-smoothing", type=float, default=TrainConfig.label_smoothing)
     ap.add_argument("--cross-neg", type=float, default=TrainConfig.cross_neg,
                     help="extra cross-dialogue 'new event' pairs per train pair (0 = off)")
+    ap.add_argument("--swa-from", type=int, default=TrainConfig.swa_from,
+                    help="also try the running mean of epoch-end weights from this epoch on (0 = off)")
     ap.add_argument("--train-limit", type=int, default=None)
     ap.add_argument("--threads", type=int, default=TrainConfig.threads)
     ap.add_argument("--max-steps", type=int, default=None)
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, head_lr=args.head_lr,
                       boundary_weight=args.boundary_weight, threads=args.threads,
                       max_steps=args.max_steps, bucket_chunk=args.bucket_chunk, swap_aug=bool(args.swap_aug),
-                      label_smoothing=args.label_smoothing, cross_neg=args.cross_neg, train_limit=args.train_limit, model=mcfg,
+                      label_smoothing=args.label_smoothing, cross_neg=args.cross_neg, swa_from=args.swa_from, train_limit=args.train_limit, model=mcfg,
                       cli_args=tuple(sys.argv[1:] if argv is None else argv))
     res = train(args.out, args.seed, cfg)
     print(json.dumps({"version": res["version"], "threshold": res["threshold"], "metrics": res["metrics"],
