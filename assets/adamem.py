@@ -11,9 +11,9 @@ from assets.ingest import turns
 from assets.memories import memories
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.retrieval import memory_embeddings
-from qumem_pipeline.adamem.graph import EDGE_TYPES, build_memory_graph, dangling_edges
-from qumem_pipeline.checks import CheckOutcome
-from qumem_pipeline.adamem.profiles import PROFILE_PROMPT_VERSION, build_profiles, uncited_profiles, vectors_for
+from qumem_pipeline.query.strategies.adamem.graph import EDGE_TYPES, build_memory_graph, dangling_edges
+from qumem_pipeline.contracts.checks import CheckOutcome
+from qumem_pipeline.query.strategies.adamem.profiles import PROFILE_PROMPT_VERSION, build_profiles, uncited_profiles, vectors_for
 from resources import PipelineConfig
 from resources.models import EmbedderResource, LLMResource
 

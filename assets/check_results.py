@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from qumem_pipeline.checks import CheckOutcome
+from qumem_pipeline.contracts.checks import CheckOutcome
 
 
 def check_result(name: str, outcome: CheckOutcome) -> dg.AssetCheckResult:

@@ -7,9 +7,9 @@ from assets.ingest import turns
 from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
-from qumem_pipeline import checks
-from qumem_pipeline.episodes import EPISODE_SCHEMA, build_episodes_for_users
-from qumem_pipeline.stage_versions import stage_code_versions
+from qumem_pipeline.contracts import checks
+from qumem_pipeline.episodes.segmentation import EPISODE_SCHEMA, build_episodes_for_users
+from qumem_pipeline.contracts.stage_versions import stage_code_versions
 from resources import PipelineConfig
 from resources.models import ContinuityClassifierResource
 

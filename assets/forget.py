@@ -1,8 +1,8 @@
 import dagster as dg
 
 from assets.partitions import users_partitions
-from qumem_pipeline.forget import forget_user
-from qumem_pipeline.ids import validate_user_id
+from qumem_pipeline.storage.forget import forget_user
+from qumem_pipeline.contracts.ids import validate_user_id
 from resources import PipelineConfig
 
 

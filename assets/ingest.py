@@ -5,11 +5,11 @@ import dagster as dg
 from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
-from qumem_pipeline import checks
-from qumem_pipeline.incremental import recorded_form
-from qumem_pipeline.ingest import load_archive, write_unattributed_quarantine, write_users
-from qumem_pipeline.validate import TURN_POLARS_SCHEMA
-from qumem_pipeline.versions import TURN_SCHEMA_VERSION
+from qumem_pipeline.contracts import checks
+from qumem_pipeline.ingest.incremental import recorded_form
+from qumem_pipeline.ingest.archive import load_archive, write_unattributed_quarantine, write_users
+from qumem_pipeline.ingest.validate import TURN_POLARS_SCHEMA
+from qumem_pipeline.contracts.versions import TURN_SCHEMA_VERSION
 from resources import PipelineConfig
 
 

@@ -9,10 +9,10 @@ from assets.episodes import episodes
 from assets.check_results import check_result
 from assets.progress import ProgressLogger
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
-from qumem_pipeline import checks
-from qumem_pipeline.decompose import PROMPT_VERSION, decompose_episodes
-from qumem_pipeline.stage_versions import stage_code_versions
-from qumem_pipeline.decompose_checkpoint import CheckpointStore
+from qumem_pipeline.contracts import checks
+from qumem_pipeline.memories.decompose import PROMPT_VERSION, decompose_episodes
+from qumem_pipeline.contracts.stage_versions import stage_code_versions
+from qumem_pipeline.memories.checkpoints import CheckpointStore
 from qumem_pipeline.llm.base import LLMError
 from resources import PipelineConfig
 from resources.models import LLMResource

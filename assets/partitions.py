@@ -20,6 +20,6 @@ user_backfill_policy = dg.BackfillPolicy.multi_run(max_partitions_per_run=USERS_
 
 def run_user_ids(context: dg.AssetExecutionContext) -> list[str]:
     """The users of this run (one partition, or a range), validated before they become paths or SQL."""
-    from qumem_pipeline.ids import validate_user_id
+    from qumem_pipeline.contracts.ids import validate_user_id
 
     return [validate_user_id(k) for k in context.partition_keys]

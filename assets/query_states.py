@@ -10,14 +10,14 @@ from assets.partitions import run_user_ids, user_backfill_policy, users_partitio
 from assets.progress import ProgressLogger
 from assets.adamem import GRAPH_EDGES, GRAPH_NODES, memory_graph
 from assets.retrieval import memory_indexes
-from qumem_pipeline import checks
-from qumem_pipeline.adamem.retriever import DEFAULT_K as ADAMEM_K, UserBundle
-from qumem_pipeline.adamem.strategy import AdaMemRetriever
-from qumem_pipeline.queries import read_queries, to_queries
-from qumem_pipeline.query_state import QUERY_PROMPT_VERSION, infer_user_states
-from qumem_pipeline.retrieval import TypedMemoryRetriever
-from qumem_pipeline.stage_versions import stage_code_versions
-from qumem_pipeline.vector_index import VectorStore
+from qumem_pipeline.contracts import checks
+from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K as ADAMEM_K, UserBundle
+from qumem_pipeline.query.strategies.adamem.strategy import AdaMemRetriever
+from qumem_pipeline.query.queries import read_queries, to_queries
+from qumem_pipeline.query.strategies.qumem import QUERY_PROMPT_VERSION, infer_user_states
+from qumem_pipeline.query.retrieval import TypedMemoryRetriever
+from qumem_pipeline.contracts.stage_versions import stage_code_versions
+from qumem_pipeline.index.vector_store import VectorStore
 from resources import PipelineConfig
 from resources.models import EmbedderResource, LLMResource
 

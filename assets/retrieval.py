@@ -6,9 +6,9 @@ import polars as pl
 from assets.memories import memories
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
-from qumem_pipeline import vector_index
-from qumem_pipeline.embeddings import embed_memories
-from qumem_pipeline.stage_versions import stage_code_versions
+from qumem_pipeline.index import vector_store as vector_index
+from qumem_pipeline.index.embeddings import embed_memories
+from qumem_pipeline.contracts.stage_versions import stage_code_versions
 from resources import PipelineConfig
 from resources.models import EmbedderResource
 

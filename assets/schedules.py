@@ -16,8 +16,8 @@ import os
 import dagster as dg
 
 from assets.partitions import USERS_PER_RUN, users_partitions
-from qumem_pipeline.discovery import discover
-from qumem_pipeline.incremental import contiguous_ranges, plan_rebuild, unfinished
+from qumem_pipeline.ingest.discovery import discover
+from qumem_pipeline.ingest.incremental import contiguous_ranges, plan_rebuild, unfinished
 from resources import PipelineConfig
 
 NIGHTLY_CRON = os.environ.get("QUMEM_NIGHTLY_CRON") or "0 2 * * *"

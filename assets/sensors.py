@@ -3,7 +3,7 @@ import json
 import dagster as dg
 
 from assets.partitions import users_partitions
-from qumem_pipeline.discovery import discover
+from qumem_pipeline.ingest.discovery import discover
 from resources import PipelineConfig
 
 MAIN_JOB_NAME = "main_job"

@@ -8,8 +8,8 @@ from assets.ingest import turns
 from assets.memories import memories
 from assets.query_states import query_states
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
-from qumem_pipeline.schema import UNATTRIBUTED
-from qumem_pipeline.warehouse import WAREHOUSE_TABLES
+from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.storage.warehouse import WAREHOUSE_TABLES
 from resources import PipelineConfig
 
 # Upstream assets whose tables the warehouse mirrors; stages append theirs in definitions.

@@ -26,15 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from qumem_pipeline.continuity import ContinuityClassifier  # noqa: E402
+from qumem_pipeline.episodes.continuity import ContinuityClassifier  # noqa: E402
 
 
 def make_pairs(n: int, seed: int = 0) -> tuple[list[tuple[str, str]], str]:
-    from qumem_pipeline.datasets import tiage_path
+    from qumem_pipeline.runtime.datasets import tiage_path
 
     path = tiage_path("test")
     if path.is_file():
-        from qumem_pipeline.segeval.readers import read_dialogues
+        from qumem_pipeline.episodes.dialogues import read_dialogues
 
         base = []
         for d in read_dialogues(path, "tiage").dialogues:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qumem_pipeline.decompose import MEMORY_TYPES, build_messages, build_requests, coerce_episode  # noqa: E402
-from qumem_pipeline.importers.locomo import parse_locomo_datetime  # noqa: E402
+from qumem_pipeline.memories.decompose import MEMORY_TYPES, build_messages, build_requests, coerce_episode  # noqa: E402
+from qumem_pipeline.ingest.importers.locomo import parse_locomo_datetime  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "locomo" / "locomo_dev5.json"
 PAPER = {"calls_per_100_turns": 81.4, "tokens_per_turn": 1221.2}
@@ -106,10 +106,10 @@ def classifier_episodes(path: Path) -> list[dict]:
     """The pipeline's own episodes: LoCoMo import -> validation -> continuity classifier (speaker_a users)."""
     import polars as pl
 
-    from qumem_pipeline.continuity import ContinuityClassifier
-    from qumem_pipeline.episodes import build_episodes_for_users
-    from qumem_pipeline.importers.locomo import import_locomo
-    from qumem_pipeline.validate import validate
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.segmentation import build_episodes_for_users
+    from qumem_pipeline.ingest.importers.locomo import import_locomo
+    from qumem_pipeline.ingest.validate import validate
 
     turns = validate(import_locomo(str(path))).turns
     data = json.loads(path.read_text(encoding="utf-8"))

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qumem_pipeline.decompose import build_requests, decompose_episodes  # noqa: E402
+from qumem_pipeline.memories.decompose import build_requests, decompose_episodes  # noqa: E402
 
 ARCHIVE = ROOT / "examples" / "archive"
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from crash_harness import run_pipeline, snapshot, table_rows, temp_files, write_archive  # noqa: E402
 from fake_openai_server import RunningFakeServer  # noqa: E402
-from qumem_pipeline.decompose import decompose_episodes  # noqa: E402
-from qumem_pipeline.decompose_checkpoint import CheckpointStore  # noqa: E402
+from qumem_pipeline.memories.decompose import decompose_episodes  # noqa: E402
+from qumem_pipeline.memories.checkpoints import CheckpointStore  # noqa: E402
 from qumem_pipeline.llm import LLMEndpointError, make_backend  # noqa: E402
 from qumem_pipeline.llm.vllm_managed import free_port  # noqa: E402
 
@@ -177,7 +177,7 @@ def kill_scenarios(work: Path) -> list[dict]:
 
 
 def bad_rows_scenario(work: Path) -> dict:
-    from qumem_pipeline.ingest import ArchiveConfig, load_archive
+    from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive
 
     good, bad = [], []
     for i in range(200):

@@ -25,10 +25,10 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qumem_pipeline.importers.canonical import import_canonical  # noqa: E402
-from qumem_pipeline.ingest import WRITER_THREADS, write_users  # noqa: E402
-from qumem_pipeline.storage import FSYNC, DataLayout, write_parquet  # noqa: E402
-from qumem_pipeline.validate import validate  # noqa: E402
+from qumem_pipeline.ingest.importers.canonical import import_canonical  # noqa: E402
+from qumem_pipeline.ingest.archive import WRITER_THREADS, write_users  # noqa: E402
+from qumem_pipeline.storage.layout import FSYNC, DataLayout, write_parquet  # noqa: E402
+from qumem_pipeline.ingest.validate import validate  # noqa: E402
 
 WORDS = ("trip plan dinner vegan window seat swim run knee doctor budget book piano lesson "
          "weekend flight hotel recipe garden dog cat meeting deadline report coffee tea").split()

@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from qumem_pipeline import vector_index as vi  # noqa: E402
-from qumem_pipeline.embeddings import DIM, embedding_schema  # noqa: E402
-from qumem_pipeline.retrieval import PlannedQuery, RetrievalRequest, execute_plans  # noqa: E402
-from qumem_pipeline.storage import DataLayout  # noqa: E402
+from qumem_pipeline.index import vector_store as vi  # noqa: E402
+from qumem_pipeline.index.embeddings import DIM, embedding_schema  # noqa: E402
+from qumem_pipeline.query.retrieval import PlannedQuery, RetrievalRequest, execute_plans  # noqa: E402
+from qumem_pipeline.storage.layout import DataLayout  # noqa: E402
 
 WORDS = ("trip plan dinner vegan window seat swim run knee doctor budget book piano lesson weekend flight "
          "hotel recipe garden dog cat meeting deadline report coffee tea prefer like moved started").split()
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     if args.fake_embedder:
         emb = FakeEmbedder()
     else:
-        from qumem_pipeline.embeddings import Embedder
+        from qumem_pipeline.index.embeddings import Embedder
 
         emb = Embedder.load(device=args.device)
 

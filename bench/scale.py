@@ -49,8 +49,8 @@ from assets.partitions import run_user_ids, user_backfill_policy, users_partitio
 from assets.retrieval import memory_embeddings, memory_indexes  # noqa: E402
 from assets.schedules import build_nightly_schedule  # noqa: E402
 from qumem_pipeline.cli import install_instance_config  # noqa: E402
-from qumem_pipeline.decompose import MEMORY_SCHEMA, MEMORY_TYPES  # noqa: E402
-from qumem_pipeline.episodes import user_pairs  # noqa: E402
+from qumem_pipeline.memories.decompose import MEMORY_SCHEMA, MEMORY_TYPES  # noqa: E402
+from qumem_pipeline.episodes.segmentation import user_pairs  # noqa: E402
 from resources import PipelineConfig  # noqa: E402
 from resources.models import ContinuityClassifierResource, EmbedderResource  # noqa: E402
 
@@ -210,10 +210,10 @@ def model_bound(archive: Path, device: str | None, batch_pairs: int = 64, batch_
     """Raw forward throughput of both models on exactly this archive's pairs and memory sentences."""
     import torch
 
-    from qumem_pipeline.batching import length_buckets, pad_batch
-    from qumem_pipeline.continuity import ContinuityClassifier
-    from qumem_pipeline.embeddings import Embedder
-    from qumem_pipeline.ingest import ArchiveConfig, load_archive
+    from qumem_pipeline.runtime.batching import length_buckets, pad_batch
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+    from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive
 
     tdf = load_archive(ArchiveConfig(path=str(archive))).turns
     pairs, sentences = [], []

@@ -90,7 +90,7 @@ def _defs():
 def register_users(instance, defs) -> list[str]:
     """Discover users in the configured archive and add new ones as partitions."""
     from assets.partitions import users_partitions
-    from qumem_pipeline.discovery import discover
+    from qumem_pipeline.ingest.discovery import discover
 
     pipeline = defs.resources["pipeline"]
     found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
@@ -161,7 +161,7 @@ def cmd_pipeline(args: argparse.Namespace, job_name: str) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    from qumem_pipeline.ids import InvalidUserId, validate_user_id
+    from qumem_pipeline.contracts.ids import InvalidUserId, validate_user_id
 
     _apply_common(args)
     try:
@@ -203,16 +203,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluations keep their own argument parsers; `qumem eval NAME ...` forwards to them."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.what == "segmentation":
-        from qumem_pipeline.segeval.evaluate import main as seg_main
+        from qumem_pipeline.eval.segmentation.evaluate import main as seg_main
 
         return seg_main(args.rest)
-    from qumem_pipeline.eval_locomo import main as locomo_main
+    from qumem_pipeline.eval.locomo.harness import main as locomo_main
 
     return locomo_main(args.rest)
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> int:
-    from qumem_pipeline.continuity.train import train
+    from qumem_pipeline.episodes.continuity.train import train
 
     train(out_dir=args.out, seed=args.seed)
     return 0

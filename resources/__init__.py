@@ -10,11 +10,11 @@ from pathlib import Path
 
 import dagster as dg
 
-from qumem_pipeline.forget import ForgetRegistry
-from qumem_pipeline.ingest import ArchiveConfig
-from qumem_pipeline.storage import DataLayout
-from qumem_pipeline.validate import DEFAULT_MAX_TEXT_CHARS
-from qumem_pipeline.warehouse import Warehouse
+from qumem_pipeline.storage.forget import ForgetRegistry
+from qumem_pipeline.ingest.archive import ArchiveConfig
+from qumem_pipeline.storage.layout import DataLayout
+from qumem_pipeline.ingest.validate import DEFAULT_MAX_TEXT_CHARS
+from qumem_pipeline.storage.warehouse import Warehouse
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_ARCHIVE = REPO_ROOT / "examples" / "archive"

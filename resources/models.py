@@ -6,7 +6,7 @@ from typing import Any
 import dagster as dg
 from pydantic import PrivateAttr
 
-from qumem_pipeline.episodes import DEFAULT_TOKEN_BUDGET
+from qumem_pipeline.episodes.segmentation import DEFAULT_TOKEN_BUDGET
 
 
 class ContinuityClassifierResource(dg.ConfigurableResource):
@@ -20,14 +20,14 @@ class ContinuityClassifierResource(dg.ConfigurableResource):
     _model: Any = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        from qumem_pipeline.continuity import ContinuityClassifier
+        from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
         self._model = ContinuityClassifier.load(self.artifact_dir or None, device=self.device or None)
 
     @property
     def model(self):
         if self._model is None:  # used outside a Dagster run (tests, CLI helpers)
-            from qumem_pipeline.continuity import ContinuityClassifier
+            from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
             self._model = ContinuityClassifier.load(self.artifact_dir or None, device=self.device or None)
         return self._model
@@ -88,14 +88,14 @@ class EmbedderResource(dg.ConfigurableResource):
     _model: Any = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        from qumem_pipeline.embeddings import Embedder
+        from qumem_pipeline.index.embeddings import Embedder
 
         self._model = Embedder.load(device=self.device or None)
 
     @property
     def model(self):
         if self._model is None:
-            from qumem_pipeline.embeddings import Embedder
+            from qumem_pipeline.index.embeddings import Embedder
 
             self._model = Embedder.load(device=self.device or None)
         return self._model

@@ -13,7 +13,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from qumem_pipeline.storage import TMP_PREFIX
+from qumem_pipeline.storage.layout import TMP_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Columns that say when a row was made or how long a call took: they differ between any two runs.

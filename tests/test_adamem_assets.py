@@ -20,7 +20,7 @@ SCRIPT = {"model": "fake-model", "rules": [
 def test_query_states_asset_runs_adamem_strategy(tmp_path):
     from assets.adamem import memory_graph
     from assets.query_states import query_states
-    from qumem_pipeline.storage import DataLayout
+    from qumem_pipeline.storage.layout import DataLayout
     from resources import PipelineConfig
     from resources.models import EmbedderResource, LLMResource
 

@@ -8,8 +8,8 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from qumem_pipeline.datasets import ENV_VAR, shared_datasets_dir
-from qumem_pipeline.eval_locomo import main
+from qumem_pipeline.runtime.datasets import ENV_VAR, shared_datasets_dir
+from qumem_pipeline.eval.locomo.harness import main
 
 DEV = shared_datasets_dir() / "locomo" / "locomo_dev5.json"
 BUDGETS = ["128", "256", "512", "1024"]

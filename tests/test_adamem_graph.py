@@ -4,7 +4,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from qumem_pipeline.adamem.graph import EDGE_TYPES, MemoryGraph, build_memory_graph, dangling_edges
+from qumem_pipeline.query.strategies.adamem.graph import EDGE_TYPES, MemoryGraph, build_memory_graph, dangling_edges
 from tests import adamem_data as data
 
 
@@ -74,7 +74,7 @@ def test_expansion_bounded_by_hops_seeds_and_as_of(graph):
 
 def test_memory_graph_asset_materializes_with_passing_check(tmp_path):
     from assets.adamem import GRAPH_EDGES, GRAPH_NODES, memory_graph
-    from qumem_pipeline.storage import DataLayout
+    from qumem_pipeline.storage.layout import DataLayout
     from resources import PipelineConfig
 
     layout = DataLayout(tmp_path / "data")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from qumem_pipeline.adamem.lexical import BM25Index
+from qumem_pipeline.query.strategies.adamem.lexical import BM25Index
 from tests import adamem_data as data
 
 RARE = "We finally named the new sourdough starter Brembleworth, it bubbles every morning."
@@ -14,7 +14,7 @@ QUESTIONS = ["Did the adoption agency mention Brembleworth?", "Does the adoption
 
 @pytest.fixture(scope="module")
 def embedder():
-    from qumem_pipeline.embeddings import Embedder
+    from qumem_pipeline.index.embeddings import Embedder
 
     return Embedder.load(device="cpu")
 

@@ -3,7 +3,7 @@
 import polars as pl
 import pytest
 
-from qumem_pipeline.adamem.participants import (
+from qumem_pipeline.query.strategies.adamem.participants import (
     AMBIGUOUS, BOTH, OTHER, USER, Participants, owners_for, resolve, turn_owner,
 )
 

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from fake_openai_server import RunningFakeServer
-from qumem_pipeline.adamem.profiles import build_profiles, near_duplicate_groups, uncited_profiles, vectors_for
+from qumem_pipeline.query.strategies.adamem.profiles import build_profiles, near_duplicate_groups, uncited_profiles, vectors_for
 from test_query_state import ScriptedLLM
 from tests import adamem_data as data
 
@@ -31,7 +31,7 @@ def memories() -> pl.DataFrame:
 
 @pytest.fixture(scope="module")
 def embedder():
-    from qumem_pipeline.embeddings import Embedder
+    from qumem_pipeline.index.embeddings import Embedder
 
     return Embedder.load(device="cpu")
 
@@ -94,9 +94,9 @@ def test_missing_embedding_is_named():
 
 def test_profile_asset_feeds_graph_and_warehouse(tmp_path):
     from assets.adamem import GRAPH_EDGES, GRAPH_NODES, memory_graph, persona_profiles
-    from qumem_pipeline.adamem.graph import dangling_edges
-    from qumem_pipeline.storage import DataLayout
-    from qumem_pipeline.warehouse import WAREHOUSE_TABLES, Warehouse
+    from qumem_pipeline.query.strategies.adamem.graph import dangling_edges
+    from qumem_pipeline.storage.layout import DataLayout
+    from qumem_pipeline.storage.warehouse import WAREHOUSE_TABLES, Warehouse
     from resources import PipelineConfig
     from resources.models import EmbedderResource, LLMResource
 
@@ -129,8 +129,8 @@ def test_profile_asset_feeds_graph_and_warehouse(tmp_path):
 
 
 def test_profile_entries_are_retrieved_only_after_their_evidence(embedder):
-    from qumem_pipeline.adamem.retriever import UserBundle
-    from qumem_pipeline.adamem.route import plan_route
+    from qumem_pipeline.query.strategies.adamem.retriever import UserBundle
+    from qumem_pipeline.query.strategies.adamem.route import plan_route
 
     mems = memories()
     llm = ScriptedLLM({"merge": lambda r: json.dumps({"aspect": "painting", "summary": "Caroline loves painting landscapes."})})

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from qumem_pipeline.adamem.graph import EDGE_TYPES
-from qumem_pipeline.adamem.route import (
+from qumem_pipeline.query.strategies.adamem.graph import EDGE_TYPES
+from qumem_pipeline.query.strategies.adamem.route import (
     ATTRIBUTE, MAX_HOPS, MAX_SEEDS, RELATIONAL, SINGLE_HOP, TEMPORAL, RoutePlan, detect_cues, plan_route,
 )
-from qumem_pipeline.adamem.retriever import UserBundle
-from qumem_pipeline.adamem.strategy import MAX_ITERATIONS, AdaMemRetriever
-from qumem_pipeline.query_state import Query, infer_user_states
+from qumem_pipeline.query.strategies.adamem.retriever import UserBundle
+from qumem_pipeline.query.strategies.adamem.strategy import MAX_ITERATIONS, AdaMemRetriever
+from qumem_pipeline.query.strategies.qumem import Query, infer_user_states
 from test_query_state import ScriptedLLM
 from tests import adamem_data as data
 
@@ -24,7 +24,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def embedder():
-    from qumem_pipeline.embeddings import Embedder
+    from qumem_pipeline.index.embeddings import Embedder
 
     return Embedder.load(device="cpu")
 

@@ -2,7 +2,7 @@
 
 import polars as pl
 
-from qumem_pipeline import checks
+from qumem_pipeline.contracts import checks
 
 
 def test_schema_conforms():

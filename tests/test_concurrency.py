@@ -16,8 +16,8 @@ import duckdb
 import polars as pl
 import pytest
 
-from qumem_pipeline.storage import DataLayout
-from qumem_pipeline.warehouse import Warehouse, WarehouseBusy
+from qumem_pipeline.storage.layout import DataLayout
+from qumem_pipeline.storage.warehouse import Warehouse, WarehouseBusy
 from tests.conftest import REPO_ROOT, conversation, write_jsonl
 
 pytestmark = pytest.mark.timeout(600)
@@ -106,7 +106,7 @@ def test_clean_temp_files_spares_a_live_writer_and_removes_a_dead_ones(tmp_path)
 
 HOLD = """
 import sys, time
-from qumem_pipeline.warehouse import Warehouse
+from qumem_pipeline.storage.warehouse import Warehouse
 with Warehouse(sys.argv[1]).connect() as con:
     con.execute("CREATE TABLE IF NOT EXISTS t (user_id VARCHAR)")
     print("holding", flush=True)
@@ -147,8 +147,8 @@ def test_warehouse_lock_queues_a_second_writer_and_times_out_clearly(tmp_path):
 
 LOAD = """
 import sys
-from qumem_pipeline.storage import DataLayout
-from qumem_pipeline.warehouse import Warehouse
+from qumem_pipeline.storage.layout import DataLayout
+from qumem_pipeline.storage.warehouse import Warehouse
 layout, wh = DataLayout(sys.argv[1]), Warehouse(sys.argv[2])
 users = sys.argv[3].split(",")
 for _ in range(int(sys.argv[4])):

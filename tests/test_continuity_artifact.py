@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from qumem_pipeline.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
-from qumem_pipeline.continuity.lora import LoRALinear
-from qumem_pipeline.continuity.model import ContinuityNet, ModelConfig
+from qumem_pipeline.episodes.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
+from qumem_pipeline.episodes.continuity.lora import LoRALinear
+from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
 
 PREV = "i just adopted a puppy , she is a golden retriever ."
 CONT = "what breed is she ? golden retrievers are so friendly with kids ."

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from qumem_pipeline.continuity.decoding import RULE_NAME, DecisionRule, as_rule
-from qumem_pipeline.continuity.tune_decoding import (
+from qumem_pipeline.episodes.continuity.decoding import RULE_NAME, DecisionRule, as_rule
+from qumem_pipeline.episodes.continuity.tune_decoding import (
     ARTIFACT_FORMAT_V2,
     PkScorer,
     best_rule,
@@ -16,7 +16,7 @@ from qumem_pipeline.continuity.tune_decoding import (
     versioned_config,
     write_config_atomic,
 )
-from qumem_pipeline.segeval.metrics import evaluate
+from qumem_pipeline.episodes.metrics import evaluate
 
 
 def b(rule, p):

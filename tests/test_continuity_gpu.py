@@ -15,7 +15,7 @@ pytestmark = [
 
 
 def test_cuda_bf16_matches_cpu():
-    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
     pairs = [("i just adopted a puppy", "what breed is she ?"), ("i just adopted a puppy", "i work as an accountant")] * 50
     cpu = ContinuityClassifier.load(device="cpu").predict_same_proba(pairs)

@@ -7,9 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 
-from qumem_pipeline.continuity.data import Pair
-from qumem_pipeline.continuity.model import ModelConfig
-from qumem_pipeline.continuity.train import TrainConfig, train
+from qumem_pipeline.episodes.continuity.data import Pair
+from qumem_pipeline.episodes.continuity.model import ModelConfig
+from qumem_pipeline.episodes.continuity.train import TrainConfig, train
 
 SAME = [
     ("i just adopted a puppy", "what breed is your new puppy ?"),
@@ -67,7 +67,7 @@ def test_swap_aug_and_cls_mean_pooling(tmp_path):
                 log=lambda m: None)
     assert res["train"]["n_train_pairs"] == 2 * len(pairs)  # swapped copies were added
     assert len(res["losses"]) == 3
-    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
     clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
     p = clf.predict_same_proba([(a, b) for a, b in SAME[:2]])
@@ -77,7 +77,7 @@ def test_swap_aug_and_cls_mean_pooling(tmp_path):
 def test_seg_pair_features_pool_each_utterance_separately():
     import torch
 
-    from qumem_pipeline.continuity.model import seg_pair_features
+    from qumem_pipeline.episodes.continuity.model import seg_pair_features
 
     # [CLS] a a [SEP] | b [SEP] | pad ; hidden states chosen so the two means are easy to check
     h = torch.tensor([[[9.0, 9.0], [1.0, 2.0], [3.0, 4.0], [2.0, 3.0], [5.0, 1.0], [5.0, 1.0], [7.0, 7.0]]])
@@ -94,7 +94,7 @@ def test_seg_pair_pooling_trains_and_loads(tmp_path):
     cfg = TrainConfig(epochs=1, batch_size=4, max_steps=2, eval_batch_size=8,
                       model=ModelConfig(max_len=32, lora_r=2, pooling="seg_pair"))
     train(tmp_path / "art", seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[], log=lambda m: None)
-    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
     clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
     assert clf.net.cfg.pooling == "seg_pair" and clf.net.head[-1].in_features == 3 * 384
@@ -103,7 +103,7 @@ def test_seg_pair_pooling_trains_and_loads(tmp_path):
 
 
 def test_cross_dialogue_negatives_pair_utterances_of_different_dialogues(tmp_path):
-    from qumem_pipeline.continuity.train import cross_dialogue_negatives
+    from qumem_pipeline.episodes.continuity.train import cross_dialogue_negatives
 
     pairs = _pairs()
     dial_of = {}
@@ -129,7 +129,7 @@ def test_weight_averaging_candidate_is_evaluated_and_loadable(tmp_path):
     labels = [h["epoch"] for h in res["history"]]
     assert labels == [1, 2, 3, "swa2-3"], labels  # the mean of epochs 2 and 3 was scored on dev
     assert res["train"]["swa_from"] == 2
-    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
     clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
     assert clf.predict_same_proba([SAME[0]]).shape == (1,)

@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 
 from fake_openai_server import RunningFakeServer
-from qumem_pipeline.decompose import (
+from qumem_pipeline.memories.decompose import (
     LEDGER_SCHEMA,
     MEMORY_SCHEMA,
     MEMORY_TYPES,

@@ -6,9 +6,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from qumem_pipeline.decompose_checkpoint import CallOutcome, CheckpointStore, call_key
-from qumem_pipeline.faults import ENV, fault_point
-from qumem_pipeline.forget import forget_user
+from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
+from qumem_pipeline.runtime.faults import ENV, fault_point
+from qumem_pipeline.storage.forget import forget_user
 
 T = datetime(2024, 1, 1, tzinfo=timezone.utc)
 
@@ -65,7 +65,7 @@ def test_forget_removes_checkpoints(tmp_path):
 def test_fault_point_is_a_noop_when_unset_and_kills_at_the_nth_hit(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     fault_point("decompose.batch")  # returns
-    code = "from qumem_pipeline.faults import fault_point\nfor i in range(5):\n    print(i, flush=True)\n    fault_point('p')\n"
+    code = "from qumem_pipeline.runtime.faults import fault_point\nfor i in range(5):\n    print(i, flush=True)\n    fault_point('p')\n"
     r = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, ENV: "p:3"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 137 and r.stdout.split() == ["0", "1", "2"] and "killing process at p (hit 3)" in r.stderr

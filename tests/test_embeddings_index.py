@@ -10,9 +10,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from qumem_pipeline import vector_index as vi
-from qumem_pipeline.embeddings import DIM, Embedder, embed_memories, embedding_schema, embeddings_matrix
-from qumem_pipeline.storage import DataLayout
+from qumem_pipeline.index import vector_store as vi
+from qumem_pipeline.index.embeddings import DIM, Embedder, embed_memories, embedding_schema, embeddings_matrix
+from qumem_pipeline.storage.layout import DataLayout
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_embedder_offline_normalised_and_ordered(embedder):
 
 def test_embedder_matches_sentence_transformers(embedder):
     st = pytest.importorskip("sentence_transformers")
-    from qumem_pipeline.embeddings import model_dir
+    from qumem_pipeline.index.embeddings import model_dir
 
     ref = st.SentenceTransformer(model_dir(), device="cpu")
     texts = ["I prefer window seats on long flights.", "The user joined a swimming club."]

@@ -6,8 +6,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from qumem_pipeline.continuity.decoding import DecisionRule
-from qumem_pipeline.episodes import (
+from qumem_pipeline.episodes.continuity.decoding import DecisionRule
+from qumem_pipeline.episodes.segmentation import (
     build_episodes_for_users,
     build_units,
     build_user_episodes,

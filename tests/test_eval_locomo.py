@@ -14,8 +14,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from qumem_pipeline.datasets import ENV_VAR, shared_datasets_dir
-from qumem_pipeline.eval_locomo import (
+from qumem_pipeline.runtime.datasets import ENV_VAR, shared_datasets_dir
+from qumem_pipeline.eval.locomo.harness import (
     UNIT_KINDS,
     Conversation,
     EvalUnit,
@@ -121,7 +121,7 @@ def test_multi_turn_units_cost_exactly_what_their_text_holds():
 
 def test_primary_user_switch_brings_that_users_turns():
     """Episodes come from the primary user's own history (their utterances are role=user)."""
-    from qumem_pipeline.eval_locomo import _speaker_a_first
+    from qumem_pipeline.eval.locomo.harness import _speaker_a_first
 
     conv = _toy_conversation()
     other = conv.turns.with_columns(role=pl.Series(["other", "user"] * 3))
@@ -152,7 +152,7 @@ def test_unit_scorings_from_turn_vectors():
 
 
 def test_memory_stats_flag_budgets_that_hold_every_memory():
-    from qumem_pipeline.eval_locomo import memory_stats
+    from qumem_pipeline.eval.locomo.harness import memory_stats
 
     lines = [("D1:1", "s1", "Caroline: " + "w " * 19), ("D1:2", "s1", "Melanie: " + "w " * 9)]
     mems = [EvalUnit("The user...", [(frozenset(["D1:1", "D1:2"]), 2)]), EvalUnit("x y z", [(frozenset(["D1:2"]), 3)])]
@@ -228,8 +228,8 @@ def slice_file(tmp_path_factory):
 
 def _memories_for_first_conversation(data, tmp_path):
     """A stand-in memories table (one memory per speaker_a turn) for conversation 1 only."""
-    from qumem_pipeline.importers.locomo import import_locomo
-    from qumem_pipeline.validate import validate
+    from qumem_pipeline.ingest.importers.locomo import import_locomo
+    from qumem_pipeline.ingest.validate import validate
 
     turns = validate(import_locomo(str(tmp_path / "locomo_slice2.json"))).turns
     sid = data[0]["sample_id"]
@@ -267,7 +267,7 @@ class StubClassifier:
 
 @pytest.mark.slow
 def test_harness_on_two_conversation_slice(slice_file, monkeypatch):
-    from qumem_pipeline.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
+    from qumem_pipeline.episodes.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
 
     stubbed = not (DEFAULT_ARTIFACT_DIR / "config.json").is_file()
     if stubbed:  # still exercise the episodes path end to end
@@ -319,8 +319,8 @@ def test_unrequested_units_are_null_and_memories_decomposed_in_harness(tmp_path,
     """A one-session slice with the product's episodes decomposed through a real (scripted) OpenAI-shaped server."""
     if not DEV.is_file():
         pytest.skip(f"LoCoMo dev file {DEV} not found; set {ENV_VAR} to the shared datasets directory")
-    from qumem_pipeline.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
-    from qumem_pipeline.eval_locomo import read_memories
+    from qumem_pipeline.episodes.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
+    from qumem_pipeline.eval.locomo.harness import read_memories
     from fake_openai_server import RunningFakeServer
 
     if not (DEFAULT_ARTIFACT_DIR / "config.json").is_file():
@@ -363,8 +363,8 @@ def test_harness_episodes_never_span_sessions(monkeypatch):
     """The harness's episodes are the product's, which start a new episode at every new session."""
     from datetime import datetime, timezone
 
-    from qumem_pipeline.continuity import ContinuityClassifier
-    from qumem_pipeline.eval_locomo import build_episodes
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+    from qumem_pipeline.eval.locomo.harness import build_episodes
 
     class AlwaysSame(StubClassifier):
         def predict_same_proba(self, pairs, batch_size=64, progress=None):
@@ -382,7 +382,7 @@ def test_harness_episodes_never_span_sessions(monkeypatch):
 
 def test_matched_windows_copy_episode_count_per_session_not_boundaries():
     """The control for episode boundaries: per session, as many equal windows as episodes there."""
-    from qumem_pipeline.eval_locomo import matched_window_units
+    from qumem_pipeline.eval.locomo.harness import matched_window_units
 
     conv = _toy_conversation()
     # session 1 holds two episodes of uneven size (1 + 3 turns), session 2 one episode

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qumem_pipeline.ids import is_valid_user_id
+from qumem_pipeline.contracts.ids import is_valid_user_id
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ARCHIVE = EXAMPLES / "archive"
@@ -165,7 +165,7 @@ def test_readme_documents_every_planted_line():
 
 
 def test_detect_format_on_archive(tmp_path):
-    from qumem_pipeline.importers import detect_format
+    from qumem_pipeline.ingest.importers import detect_format
 
     assert detect_format(ARCHIVE) == "jsonl"
     assert detect_format(ARCHIVE / "2024-q1.jsonl") == "jsonl"
@@ -179,9 +179,9 @@ def test_detect_format_on_archive(tmp_path):
 
 def test_archive_through_import_and_validation():
     """End to end with the canonical importer and validator: exactly the planted lines are quarantined."""
-    pytest.importorskip("qumem_pipeline.importers.canonical")
-    validate_mod = pytest.importorskip("qumem_pipeline.validate")
-    from qumem_pipeline.importers import import_archive
+    pytest.importorskip("qumem_pipeline.ingest.importers.canonical")
+    validate_mod = pytest.importorskip("qumem_pipeline.ingest.validate")
+    from qumem_pipeline.ingest.importers import import_archive
 
     res = import_archive(ARCHIVE)
     assert {(Path(f.source_file).name, f.source_row) for f in res.failures} == set(PARSE_LEVEL)

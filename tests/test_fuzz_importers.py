@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from qumem_pipeline.importers import import_archive
-from qumem_pipeline.importers.chatgpt import import_chatgpt
-from qumem_pipeline.importers.locomo import import_locomo
-from qumem_pipeline.validate import StrictValidationError, validate
+from qumem_pipeline.ingest.importers import import_archive
+from qumem_pipeline.ingest.importers.chatgpt import import_chatgpt
+from qumem_pipeline.ingest.importers.locomo import import_locomo
+from qumem_pipeline.ingest.validate import StrictValidationError, validate
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 MAX_TEXT = 1000

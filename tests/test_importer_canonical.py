@@ -6,7 +6,7 @@ import random
 import pytest
 from polars.testing import assert_frame_equal
 
-from qumem_pipeline.importers.canonical import _import_jsonl_lines, import_jsonl_file
+from qumem_pipeline.ingest.importers.canonical import _import_jsonl_lines, import_jsonl_file
 from tests.conftest import conversation, write_jsonl
 
 
@@ -56,7 +56,7 @@ def test_non_string_values_in_string_fields_match_the_line_path(tmp_path, monkey
     def whole_file_fallback(*a):
         raise AssertionError("the fast path should re-read only the suspect lines, not fall back")
 
-    monkeypatch.setattr("qumem_pipeline.importers.canonical._import_jsonl_lines", whole_file_fallback)
+    monkeypatch.setattr("qumem_pipeline.ingest.importers.canonical._import_jsonl_lines", whole_file_fallback)
     fast = import_jsonl_file(path)
     assert_same(fast, slow)
     reasons = {f.source_row: f.reason for f in fast.failures}

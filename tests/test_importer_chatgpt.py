@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from qumem_pipeline.importers import detect_format, import_archive
-from qumem_pipeline.importers.base import RAW_COLUMNS
-from qumem_pipeline.importers.chatgpt import import_chatgpt, import_chatgpt_with_stats
+from qumem_pipeline.ingest.importers import detect_format, import_archive
+from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
+from qumem_pipeline.ingest.importers.chatgpt import import_chatgpt, import_chatgpt_with_stats
 
 
 def _msg(mid, role, parts=None, *, t=None, ctype="text", name=None, hidden=False, recipient="all", **content):

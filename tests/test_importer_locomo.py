@@ -8,10 +8,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from qumem_pipeline.ids import is_valid_user_id
-from qumem_pipeline.importers import detect_format, import_archive
-from qumem_pipeline.importers.base import RAW_COLUMNS
-from qumem_pipeline.importers.locomo import (
+from qumem_pipeline.contracts.ids import is_valid_user_id
+from qumem_pipeline.ingest.importers import detect_format, import_archive
+from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
+from qumem_pipeline.ingest.importers.locomo import (
     import_locomo,
     load_locomo_qa,
     load_locomo_qa_with_stats,

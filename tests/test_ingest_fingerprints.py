@@ -7,15 +7,15 @@ import sys
 
 import polars as pl
 
-from qumem_pipeline.discovery import discover
-from qumem_pipeline.ingest import (
+from qumem_pipeline.ingest.discovery import discover
+from qumem_pipeline.ingest.archive import (
     ArchiveConfig,
     fingerprint_user,
     load_archive,
     user_fingerprints,
     write_users,
 )
-from qumem_pipeline.storage import DataLayout
+from qumem_pipeline.storage.layout import DataLayout
 from tests.conftest import conversation, write_jsonl
 
 FIELDS = ["conversation_id", "session_id", "role", "speaker", "text", "timestamp", "source_ref"]
@@ -77,7 +77,7 @@ def test_changed_turn_changes_only_that_users_fingerprint(tmp_path):
 def test_fingerprint_stable_across_processes(tmp_path):
     path = archive(tmp_path)
     code = (
-        "import json,sys; from qumem_pipeline.ingest import ArchiveConfig, load_archive, user_fingerprints;"
+        "import json,sys; from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive, user_fingerprints;"
         f"print(json.dumps(user_fingerprints(load_archive(ArchiveConfig({str(path)!r})).turns)))"
     )
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)}
@@ -94,7 +94,7 @@ def test_single_user_fingerprint_matches_reference_on_unsorted_frame(tmp_path):
 def test_fingerprints_across_row_blocks_equal_reference(tmp_path, monkeypatch):
     """Users are hashed in blocks of rows; a user larger than a block, and blocks holding several
     users, must give the same values as one user at a time."""
-    from qumem_pipeline import ingest
+    from qumem_pipeline.ingest import archive as ingest
 
     res = load_archive(ArchiveConfig(str(archive(tmp_path))))
     expected = {u: reference_fingerprint(res.turns.filter(pl.col("user_id") == u)) for u in ("alice", "bob", "chen")}

@@ -1,5 +1,5 @@
 """Killed runs: `qumem run` (3 users, main job, LLM = the fake OpenAI server) is killed with exit 137
-at a named point (qumem_pipeline/faults.py), then rerun; every output must equal an uninterrupted
+at a named point (qumem_pipeline/runtime/faults.py), then rerun; every output must equal an uninterrupted
 run's (content hashes of each Parquet table, FAISS file and warehouse table), with no partial,
 duplicate or temp file left, and no LLM call paid twice (counted on the server side).
 """

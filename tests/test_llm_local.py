@@ -5,7 +5,7 @@ from datetime import datetime, timezone
 import jsonschema
 import pytest
 
-from qumem_pipeline.decompose import MEMORY_SCHEMA, decompose_episodes, memory_schema
+from qumem_pipeline.memories.decompose import MEMORY_SCHEMA, decompose_episodes, memory_schema
 from qumem_pipeline.llm import ChatRequest, make_backend
 from qumem_pipeline.llm.model_store import DEFAULT_MODEL, cache_dir
 from tests.conftest import SWIM_EPISODE as EPISODE

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qumem_pipeline.decompose import MEMORY_SCHEMA, decompose_episodes
+from qumem_pipeline.memories.decompose import MEMORY_SCHEMA, decompose_episodes
 from qumem_pipeline.llm import make_backend
 from tests.conftest import SWIM_EPISODE as EPISODE
 

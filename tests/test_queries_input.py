@@ -2,7 +2,7 @@ from datetime import datetime, timezone
 
 import polars as pl
 
-from qumem_pipeline.queries import as_of_position, read_queries, to_queries
+from qumem_pipeline.query.queries import as_of_position, read_queries, to_queries
 from tests.conftest import REPO_ROOT, write_jsonl
 
 

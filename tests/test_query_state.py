@@ -8,7 +8,7 @@ import json
 import pytest
 
 from qumem_pipeline.llm.base import ChatResult, parse_structured
-from qumem_pipeline.query_state import RetrievedMemory, Query, infer_user_states, validate_plan
+from qumem_pipeline.query.strategies.qumem import RetrievedMemory, Query, infer_user_states, validate_plan
 
 
 class ScriptedLLM:

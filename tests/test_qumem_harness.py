@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from fake_openai_server import RunningFakeServer
-from qumem_pipeline.eval_locomo import EvalUnit, load_conversations, main, word_count
+from qumem_pipeline.eval.locomo.harness import EvalUnit, load_conversations, main, word_count
 
 ANN, BO = "toy-1-ann", "toy-1-bo"
 Q_DOG, Q_DRINK, Q_SPORT = "What is the name of Ann's dog?", "What does Ann drink now?", "What did Bo do in Berlin?"
@@ -81,7 +81,7 @@ def toy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def embedder():
-    from qumem_pipeline.embeddings import Embedder
+    from qumem_pipeline.index.embeddings import Embedder
 
     return Embedder.load(device="cpu")
 
@@ -93,7 +93,7 @@ def _openai(srv):
 
 
 def test_qumem_ranks_planned_memories_first_then_topk_backfill(toy, embedder):
-    from qumem_pipeline.adamem.eval_units import strategy_rankings
+    from qumem_pipeline.eval.locomo.adamem_units import strategy_rankings
 
     path, _, srv = toy
     conv = load_conversations(str(path))[0][0]
@@ -127,8 +127,8 @@ def test_qumem_ranks_planned_memories_first_then_topk_backfill(toy, embedder):
 
 
 def test_planned_retrieval_never_uses_memories_after_as_of(toy, embedder):
-    from qumem_pipeline.adamem.eval_units import conversation_memories
-    from qumem_pipeline.eval_qumem_strategy import qumem_planned_retrieval
+    from qumem_pipeline.eval.locomo.adamem_units import conversation_memories
+    from qumem_pipeline.eval.locomo.qumem_units import qumem_planned_retrieval
 
     path, _, srv = toy
     conv = load_conversations(str(path))[0][0]

@@ -9,15 +9,15 @@ import numpy as np
 import polars as pl
 import pytest
 
-from qumem_pipeline import vector_index as vi
-from qumem_pipeline.embeddings import embedding_schema
-from qumem_pipeline.retrieval import (
+from qumem_pipeline.index import vector_store as vi
+from qumem_pipeline.index.embeddings import embedding_schema
+from qumem_pipeline.query.retrieval import (
     PlannedQuery,
     RetrievalRequest,
     execute_plans,
     retrieve_baseline,
 )
-from qumem_pipeline.storage import DataLayout
+from qumem_pipeline.storage.layout import DataLayout
 
 DIM = 8
 
@@ -130,7 +130,7 @@ def test_baseline_single_topk_over_all_types(tmp_path):
 
 
 def test_baseline_with_real_embedder(tmp_path):
-    from qumem_pipeline.embeddings import Embedder, embed_memories
+    from qumem_pipeline.index.embeddings import Embedder, embed_memories
 
     emb = Embedder.load(device="cpu")
     mem = pl.DataFrame(

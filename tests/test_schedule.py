@@ -12,7 +12,7 @@ import pytest
 from assets.ingest import turns
 from assets.partitions import users_partitions
 from assets.schedules import build_nightly_schedule, recorded_fingerprints
-from qumem_pipeline.incremental import (
+from qumem_pipeline.ingest.incremental import (
     contiguous_ranges,
     plan_rebuild,
     recorded_form,

@@ -5,8 +5,8 @@ import json
 import shutil
 
 
-from qumem_pipeline import stage_versions
-from qumem_pipeline.stage_versions import DEFAULT_CLASSIFIER_DIR, stage_code_versions
+from qumem_pipeline.contracts import stage_versions
+from qumem_pipeline.contracts.stage_versions import DEFAULT_CLASSIFIER_DIR, stage_code_versions
 
 
 def _changed(before: dict, after: dict) -> set[str]:
@@ -42,7 +42,7 @@ def test_classifier_artifact_change_touches_only_episodes(tmp_path, monkeypatch)
 
 
 def test_prompt_and_embedder_changes(monkeypatch):
-    import qumem_pipeline.decompose as decompose
+    import qumem_pipeline.memories.decompose as decompose
 
     before = stage_code_versions()
     monkeypatch.setattr(decompose, "PROMPT_VERSION", decompose.PROMPT_VERSION + "-edited")

@@ -7,14 +7,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from qumem_pipeline.datasets import missing_reason, tiage_dir
-from qumem_pipeline.segeval import run_segmentation_eval
-from qumem_pipeline.segeval.baselines import depth_scores, fixed_window, texttiling_from_embeddings
+from qumem_pipeline.runtime.datasets import missing_reason, tiage_dir
+from qumem_pipeline.eval.segmentation import run_segmentation_eval
+from qumem_pipeline.eval.segmentation.baselines import depth_scores, fixed_window, texttiling_from_embeddings
 
 
 @pytest.fixture(scope="module")
 def clf():
-    from qumem_pipeline.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
     return ContinuityClassifier.load(device="cpu")
 
@@ -81,7 +81,7 @@ def test_module_cli_help():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "qumem_pipeline.segeval", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "qumem_pipeline.eval.segmentation", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--format" in out.stdout
 
 
@@ -92,9 +92,9 @@ def test_eval_applies_the_classifiers_decision_rule(clf):
 
     import numpy as np
 
-    from qumem_pipeline.continuity.decoding import DecisionRule
-    from qumem_pipeline.segeval.evaluate import classifier_boundaries
-    from qumem_pipeline.segeval.readers import Dialogue
+    from qumem_pipeline.episodes.continuity.decoding import DecisionRule
+    from qumem_pipeline.eval.segmentation.evaluate import classifier_boundaries
+    from qumem_pipeline.episodes.dialogues import Dialogue
 
     texts = ["i adopted a puppy", "she is a golden retriever", "what is your job ?", "i teach maths",
              "do you like jazz ?", "i play the saxophone"]

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from qumem_pipeline.segeval.metrics import boundary_prf, evaluate, pk, window_k, windowdiff
+from qumem_pipeline.episodes.metrics import boundary_prf, evaluate, pk, window_k, windowdiff
 
 
 def test_window_k_rule():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from qumem_pipeline.segeval.readers import (
+from qumem_pipeline.episodes.dialogues import (
     boundaries_to_masses,
     detect_format,
     masses_to_boundaries,

@@ -3,8 +3,8 @@ import os
 import polars as pl
 import pytest
 
-from qumem_pipeline.ids import InvalidUserId, is_valid_user_id, validate_user_id
-from qumem_pipeline.storage import DataLayout
+from qumem_pipeline.contracts.ids import InvalidUserId, is_valid_user_id, validate_user_id
+from qumem_pipeline.storage.layout import DataLayout
 
 MALICIOUS = ["../x", "a'; drop table turns; --", "a/b", "", ".hidden", "x\x00y", "аlice", "a" * 129, "..", "a..b", " alice"]
 

@@ -6,8 +6,8 @@ from datetime import datetime, timezone
 import polars as pl
 import pytest
 
-from qumem_pipeline.importers.canonical import import_canonical
-from qumem_pipeline.validate import StrictValidationError, validate
+from qumem_pipeline.ingest.importers.canonical import import_canonical
+from qumem_pipeline.ingest.validate import StrictValidationError, validate
 from tests.conftest import conversation, write_jsonl
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)

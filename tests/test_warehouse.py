@@ -1,8 +1,8 @@
 import duckdb
 import polars as pl
 
-from qumem_pipeline.storage import DataLayout
-from qumem_pipeline.warehouse import Warehouse
+from qumem_pipeline.storage.layout import DataLayout
+from qumem_pipeline.storage.warehouse import Warehouse
 
 
 def _write(layout, user, texts):

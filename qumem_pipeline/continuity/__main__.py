@@ -1,3 +1,0 @@
-from .train import main
-
-raise SystemExit(main())

@@ -1,0 +1,3 @@
+from qumem_pipeline.episodes.continuity.train import main
+
+raise SystemExit(main())

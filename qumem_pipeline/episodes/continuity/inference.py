@@ -1,0 +1,149 @@
+"""Batched inference: P(same event) for many (previous, next) utterance pairs.
+
+One forward per pair. Pairs are tokenised once (fast tokenizer, no padding), sorted by token length,
+cut into batches, padded only to the longest pair of each batch, run under ``torch.inference_mode()``
+and scattered back into input order. LoRA is merged into the base weights at load time, so a batch
+costs exactly one plain MiniLM forward. CUDA (bf16 autocast) when available, else CPU float32: the
+same code path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qumem_pipeline.runtime.batching import length_buckets, pad_batch
+from qumem_pipeline.episodes.continuity.base import base_model_dir, base_weights_sha256, load_tokenizer
+from qumem_pipeline.episodes.continuity.decoding import DecisionRule
+from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
+
+DEFAULT_ARTIFACT_DIR = Path(__file__).resolve().parents[2] / "artifacts" / "continuity"
+ADAPTER_FILE = "adapters.safetensors"
+CONFIG_FILE = "config.json"
+
+ProgressFn = Callable[[int, int], None]
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def tokenize_pairs(tokenizer, pairs: Sequence[tuple[str, str]], max_len: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids and token-type ids per pair, unpadded (``[CLS] a [SEP] b [SEP]``)."""
+    if not pairs:
+        return [], []
+    a = [p[0] if p[0] is not None else "" for p in pairs]
+    b = [p[1] if p[1] is not None else "" for p in pairs]
+    enc = tokenizer(
+        a, b, truncation="longest_first", max_length=max_len, padding=False,
+        return_attention_mask=False, return_token_type_ids=True,
+    )
+    return enc["input_ids"], enc["token_type_ids"]
+
+
+def prepare_batches(tokenizer, pairs, max_len: int, batch_size: int, pad_to_multiple: int = 1):
+    """Pre-tokenised, padded, length-bucketed CPU batches: list of (indices, ids, mask, types)."""
+    ids, types = tokenize_pairs(tokenizer, pairs, max_len)
+    out = []
+    for idx in length_buckets([len(x) for x in ids], batch_size):
+        out.append((idx, *pad_batch(ids, idx, tokenizer.pad_token_id or 0, pad_to_multiple, types=types)))
+    return out
+
+
+class ContinuityClassifier:
+    """A loaded continuity model. Use :meth:`load`; then :meth:`predict_same_proba`."""
+
+    def __init__(self, net: ContinuityNet, tokenizer, config: dict, device: torch.device,
+                 version: str, rule: DecisionRule):
+        self.net = net
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = device
+        self.version = version
+        self.rule = rule  # how P(same) becomes boundaries: the artifact's dev-chosen decision rule
+        self.threshold = float(rule.threshold)
+        self.max_len = int(net.cfg.max_len)
+        self.use_bf16 = device.type == "cuda"
+        self.pad_to_multiple = 8 if device.type == "cuda" else 1
+
+    # ------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, artifact_dir: str | os.PathLike | None = None,
+             device: str | torch.device | None = None, verify_base: bool = True) -> "ContinuityClassifier":
+        from safetensors.torch import load_file
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        adir = Path(artifact_dir) if artifact_dir is not None else DEFAULT_ARTIFACT_DIR
+        cfg_path = adir / CONFIG_FILE
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no continuity artifact at {adir} (missing {CONFIG_FILE})")
+        config = json.loads(cfg_path.read_text())
+        if verify_base:
+            want = config.get("base_model_sha256")
+            got = base_weights_sha256()
+            if want and want != got:
+                raise ValueError(
+                    f"base model weights at {base_model_dir()} have sha256 {got[:12]}…, but the "
+                    f"artifact was trained on {want[:12]}…; retrain or install the matching base"
+                )
+        mcfg = ModelConfig.from_json(config["model"])
+        net = ContinuityNet(mcfg)
+        net.load_trainable_state(load_file(str(adir / ADAPTER_FILE)))
+        net.merge()
+        net.eval()
+        dev = resolve_device(device)
+        net.to(dev)
+        return cls(net, load_tokenizer(), config, dev, config["version"], DecisionRule.from_config(config))
+
+    # ------------------------------------------------------------------------------------
+    def prepare(self, pairs: Sequence[tuple[str, str]], batch_size: int):
+        return prepare_batches(self.tokenizer, pairs, self.max_len, batch_size, self.pad_to_multiple)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        nb = self.device.type == "cuda"
+        ids = ids.to(self.device, non_blocking=nb)
+        mask = mask.to(self.device, non_blocking=nb)
+        types = types.to(self.device, non_blocking=nb)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.use_bf16):
+            return self.net(ids, mask, types)
+
+    @torch.inference_mode()
+    def predict_same_proba(self, pairs: Sequence[tuple[str, str]], batch_size: int = 64,
+                           progress: ProgressFn | None = None) -> np.ndarray:
+        """P(same event) per (previous, next) pair, float32, in input order."""
+        n = len(pairs)
+        out = np.empty(n, dtype=np.float32)
+        if n == 0:
+            return out
+        done = 0
+        for idx, ids, mask, types in self.prepare(pairs, batch_size):
+            logits = self._forward(ids, mask, types)
+            out[idx] = torch.sigmoid(logits.float()).cpu().numpy()
+            done += len(idx)
+            if progress is not None:
+                progress(done, n)
+        return out
+
+    def predict_boundaries(self, pairs: Sequence[tuple[str, str]], batch_size: int = 64) -> np.ndarray:
+        """1 where a new event starts, for ``pairs`` = the consecutive pairs of ONE history (the
+        decision rule may look at neighbouring gaps)."""
+        return self.rule.boundaries(self.predict_same_proba(pairs, batch_size))
+
+    @torch.inference_mode()
+    def raw_forward(self, batches) -> None:
+        """Forward only (for benchmarks): same model, same pre-tokenised padded batches."""
+        for _, ids, mask, types in batches:
+            self._forward(ids, mask, types)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def load_classifier(artifact_dir=None, device=None) -> ContinuityClassifier:
+    return ContinuityClassifier.load(artifact_dir, device)

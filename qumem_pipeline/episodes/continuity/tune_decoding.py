@@ -1,0 +1,206 @@
+"""Choose the decision rule (:mod:`.decoding`) on TIAGE dev and store it in the artifact.
+
+    python -m qumem_pipeline.episodes.continuity.tune_decoding [--artifact DIR] [--write] [--json]
+
+Why nested cross-validation: a rule with more knobs (smoothing, local-minimum peaks, minimum segment
+length) always fits dev at least as well as a bare threshold, so comparing in-sample dev Pk would
+pick it even when it does not generalise. Each rule *family* is scored by 5-fold cross-validation
+over dev dialogues (parameters chosen on 4 folds, Pk measured on the held-out fold); the family with
+the lowest held-out Pk wins (ties: the simpler one) and its parameters are then chosen on all of dev.
+Test is never looked at for any choice; it is only reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from qumem_pipeline.episodes.metrics import window_k
+from qumem_pipeline.episodes.continuity.decoding import DecisionRule
+
+ARTIFACT_FORMAT_V2 = "continuity-minilm-lora-v2"
+THRESHOLDS = tuple(round(float(t), 2) for t in np.arange(0.05, 0.96, 0.01))
+PEAK_OFFSETS = (0.05, 0.10, 0.15, 0.20, 0.30)
+SMOOTHINGS = (0.1, 0.2, 0.3)
+MIN_SEGMENTS = (2,)
+N_FOLDS = 5
+
+
+def family_rules(family: str) -> list[DecisionRule]:
+    """Candidate rules of one family (``plain`` is the bare threshold)."""
+    plain = [DecisionRule(t) for t in THRESHOLDS]
+    if family == "plain":
+        return plain
+    if family == "peaks":
+        return [DecisionRule(t, min(1.0, round(t + o, 2))) for t in THRESHOLDS for o in PEAK_OFFSETS]
+    if family == "smooth":
+        return [DecisionRule(t, None, w) for t in THRESHOLDS for w in SMOOTHINGS]
+    if family == "min_segment":
+        return [DecisionRule(t, None, 0.0, m) for t in THRESHOLDS for m in MIN_SEGMENTS]
+    raise ValueError(f"unknown rule family {family!r}")
+
+
+FAMILIES = ("plain", "peaks", "smooth", "min_segment")
+
+
+class PkScorer:
+    """Macro Pk of many hypotheses against fixed references, fast (same definition as
+    :func:`qumem_pipeline.episodes.metrics.pk`: per-dialogue k from the reference, clipped windows)."""
+
+    def __init__(self, refs: Sequence[Sequence[int]]):
+        self.items = []
+        for r in refs:
+            r = np.asarray(r, dtype=np.int64)
+            if len(r) == 0:
+                continue
+            k = max(1, min(window_k(len(r) + 1, int(r.sum()) + 1), len(r)))
+            self.items.append((k, self._window_any(r, k)))
+
+    @staticmethod
+    def _window_any(b: np.ndarray, k: int) -> np.ndarray:
+        c = np.concatenate([[0], np.cumsum(b)])
+        return (c[k:] - c[:-k]) > 0
+
+    def __call__(self, hyps: Sequence[Sequence[int]]) -> float:
+        hyps = [h for h in hyps if len(h)]
+        if len(hyps) != len(self.items):
+            raise ValueError(f"{len(hyps)} non-empty hypotheses for {len(self.items)} references")
+        errs = [np.mean(ra != self._window_any(np.asarray(h, dtype=np.int64), k))
+                for (k, ra), h in zip(self.items, hyps)]
+        return float(np.mean(errs)) if errs else float("nan")
+
+
+def best_rule(probs: Sequence[np.ndarray], refs: Sequence[Sequence[int]], rules: Sequence[DecisionRule]) -> tuple[DecisionRule, float]:
+    """The rule with the lowest Pk (first in candidate order on ties, i.e. the lower threshold)."""
+    score = PkScorer(refs)
+    best = None
+    for rule in rules:
+        pk = score([rule.boundaries(p) for p in probs])
+        if best is None or pk < best[1] - 1e-12:
+            best = (rule, pk)
+    return best
+
+
+def cross_validated_pk(probs, refs, rules, n_folds: int = N_FOLDS, seed: int = 0) -> float:
+    """Held-out Pk of "choose the best rule of ``rules`` on the other folds", pooled over folds."""
+    n = len(probs)
+    folds = np.random.default_rng(seed).permutation(n) % n_folds
+    held_hyps: list = [None] * n
+    for f in range(n_folds):
+        train_idx = [i for i in range(n) if folds[i] != f]
+        rule, _ = best_rule([probs[i] for i in train_idx], [refs[i] for i in train_idx], rules)
+        for i in range(n):
+            if folds[i] == f:
+                held_hyps[i] = rule.boundaries(probs[i])
+    return PkScorer(refs)(held_hyps)
+
+
+def tune(probs: Sequence[np.ndarray], refs: Sequence[Sequence[int]], families: Sequence[str] = FAMILIES,
+         seed: int = 0) -> tuple[DecisionRule, dict]:
+    """Pick the family by nested CV on (dev) dialogues, then its parameters on all of them."""
+    if len(probs) != len(refs):
+        raise ValueError(f"{len(probs)} probability sequences for {len(refs)} reference dialogues")
+    for i, (p, r) in enumerate(zip(probs, refs)):
+        if len(p) != len(r):
+            raise ValueError(f"dialogue {i}: {len(p)} probabilities for {len(r)} gaps")
+    cv = {fam: cross_validated_pk(probs, refs, family_rules(fam), seed=seed) for fam in families}
+    order = {fam: i for i, fam in enumerate(families)}
+    winner = min(families, key=lambda fam: (round(cv[fam], 6), order[fam]))
+    rule, pk_all = best_rule(probs, refs, family_rules(winner))
+    report = {"chosen_on": "TIAGE dev", "family": winner,
+              "cv_pk": {k: round(v, 4) for k, v in cv.items()}, "dev_pk": round(pk_all, 4),
+              "method": f"{N_FOLDS}-fold CV over dialogues picks the family; its parameters are then fit on all of dev"}
+    return rule, report
+
+
+# ---- the artifact ------------------------------------------------------------------------
+def versioned_config(config: dict, rule: DecisionRule, selection: dict) -> dict:
+    """The artifact config with the rule stored and the version bumped to cover weights + rule."""
+    weights_version = config.get("weights_version", config["version"])
+    digest = hashlib.sha256((weights_version + "|" + rule.fingerprint()).encode()).hexdigest()[:12]
+    out = dict(config)
+    out["format"] = ARTIFACT_FORMAT_V2
+    out["weights_version"] = weights_version
+    out["version"] = f"{ARTIFACT_FORMAT_V2}-{digest}"
+    out["threshold"] = rule.threshold
+    out["decision"] = {**rule.to_json(), "selection": selection}
+    out["threshold_rule"] = rule.describe() + "; rule and parameters chosen on TIAGE dev (see decision.selection)"
+    return out
+
+
+def rule_metrics(rule: DecisionRule, probs, refs) -> dict:
+    from qumem_pipeline.episodes.metrics import evaluate
+
+    s = evaluate(refs, [rule.boundaries(p) for p in probs])
+    return {"pk": s.pk, "windowdiff": s.windowdiff, "f1": s.f1, "precision": s.precision, "recall": s.recall}
+
+
+def write_config_atomic(artifact_dir: str | os.PathLike, config: dict) -> None:
+    target = Path(artifact_dir) / "config.json"
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def split_probs(clf, dialogues) -> tuple[list[np.ndarray], list[list[int]]]:
+    """P(same) of every adjacent pair of every dialogue (one batched pass), split per dialogue."""
+    pairs = [(d.utterances[i], d.utterances[i + 1]) for d in dialogues for i in range(len(d.utterances) - 1)]
+    flat = clf.predict_same_proba(pairs, batch_size=64)
+    out, pos = [], 0
+    for d in dialogues:
+        n = max(0, len(d.utterances) - 1)
+        out.append(flat[pos : pos + n])
+        pos += n
+    return out, [d.boundaries for d in dialogues]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", default=None, help="artifact dir (default: the committed one)")
+    ap.add_argument("--write", action="store_true", help="store the chosen rule in the artifact's config.json")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    from qumem_pipeline.episodes.metrics import evaluate
+    from qumem_pipeline.episodes.continuity.data import load_tiage
+    from qumem_pipeline.episodes.continuity.inference import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
+
+    adir = Path(args.artifact) if args.artifact else DEFAULT_ARTIFACT_DIR
+    clf = ContinuityClassifier.load(adir)
+    dev_p, dev_r = split_probs(clf, load_tiage("dev"))
+    rule, selection = tune(dev_p, dev_r)
+    result = {"rule": rule.to_json(), "selection": selection}
+    try:  # reported only, never used for a choice
+        test_p, test_r = split_probs(clf, load_tiage("test"))
+        for name, r in (("current", clf.rule), ("chosen", rule)):
+            s = evaluate(test_r, [r.boundaries(p) for p in test_p])
+            result[f"test_{name}"] = {"pk": round(s.pk, 4), "windowdiff": round(s.windowdiff, 4), "f1": round(s.f1, 4)}
+    except FileNotFoundError:
+        test_p = None
+    print(f"chosen on dev: {rule.describe()} ({selection})", file=sys.stderr)
+    if args.write:
+        config = versioned_config(clf.config, rule, selection)
+        metrics = {"dev": rule_metrics(rule, dev_p, dev_r)}
+        if test_p is not None:
+            metrics["test"] = rule_metrics(rule, test_p, test_r)
+        config["metrics"] = metrics
+        write_config_atomic(adir, config)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The ``qumem`` strategy of the LoCoMo harness: the product's planned retrieval over one conversation.
+
+The conversation's memories (both speakers', re-indexed onto the primary user's turns) are embedded
+and put in an in-memory per-type FAISS store exactly as the pipeline builds a user's indexes
+(``embed_memories`` -> ``build_user_indexes`` -> ``VectorStore.in_memory``). A1/A2 run for ALL the
+conversation's questions in one batch each (``plan_retrieval``), then ``TypedMemoryRetriever``
+runs every plan (k per planned sub-query and store, as the product) with as_of = the end of the
+conversation; its merged, de-duplicated candidates (best score first) are the strategy's ranking.
+A3 is not run: the harness measures retrieval only.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import polars as pl
+
+from qumem_pipeline.index.embeddings import embed_memories
+from qumem_pipeline.query.strategies.qumem import Query, plan_retrieval
+from qumem_pipeline.query.retrieval import DEFAULT_K, TypedMemoryRetriever
+from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
+
+
+@dataclass
+class QumemPlanning:
+    """Per-question planned retrieval and what planning cost."""
+
+    memory_ids: list[list[str]]  # per question: retrieved memory ids, best first
+    plans: list[list[tuple[str, list[str]]]]
+    repaired: list[str | None]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def qumem_planned_retrieval(conv_id: str, user_id: str, questions: Sequence[str], memories: pl.DataFrame,
+                            embedder, llm, as_of: int, k: int = DEFAULT_K) -> QumemPlanning:
+    """Plan (A1/A2, one batch each) and retrieve for every question of one conversation."""
+    mems = memories.unique("memory_id", keep="first", maintain_order=True)
+    mems = mems.with_columns(pl.Series("type", [normalize_type(t) for t in mems["type"].to_list()], dtype=pl.String),
+                             pl.lit(user_id).alias("user_id"))  # all re-indexed onto the primary user's turns
+    store = VectorStore.in_memory([build_user_indexes(embed_memories(mems, embedder), user_id)])
+    retriever = TypedMemoryRetriever(store, embedder, mems)
+    queries = [Query(f"{conv_id}/q{i}", user_id, q, as_of) for i, q in enumerate(questions)]
+    _, plans, repaired, tokens = plan_retrieval(queries, llm)
+    cands = retriever.retrieve([(user_id, plan, as_of) for plan in plans], k)
+    for q, row in zip(queries, cands):
+        future = [c.memory_id for c in row if c.position > as_of]
+        if future:  # defence in depth: the store already filters by as_of
+            raise AssertionError(f"retriever returned memories after as_of for {q.query_id}: {future}")
+    ids = [list(dict.fromkeys(c.memory_id for c in row)) for row in cands]
+    return QumemPlanning(ids, plans, repaired, sum(t[0] for t in tokens), sum(t[1] for t in tokens))

@@ -1,0 +1,1 @@
+"""Stage 4: memories in, per-type vector stores out (embeddings + FAISS indexes per user)."""

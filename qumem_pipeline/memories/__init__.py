@@ -1,0 +1,6 @@
+"""Stage 3 (QUMem §3.3, typed memory decomposition): episodes in, fact / preference / insight
+memories out, each with evidence turn ids and temporal position.
+
+Enters: `episodes` + `turns`. Leaves: `memories`, `memory_quarantine`, `llm_ledger` and the
+finished-call checkpoints (`checkpoints`) that make a rerun pay for no call twice.
+"""

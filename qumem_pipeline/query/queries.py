@@ -1,0 +1,132 @@
+"""Personalization query input: a JSONL/Parquet table validated like the turn table.
+
+Each query names a user and a point in time (as_of timestamp, or as_of_turn position); that
+point becomes `as_of_position`, the latest turn whose evidence the answer may use.
+"""
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+
+from qumem_pipeline.contracts.ids import USER_ID_PATTERN
+from qumem_pipeline.query.strategies.qumem import Query
+from qumem_pipeline.ingest.validate import with_parsed_timestamps
+
+QUERY_RAW = {"query_id": pl.String, "user_id": pl.String, "query": pl.String, "as_of": pl.String,
+             "as_of_turn": pl.Int64, "task_context": pl.String}
+QUERY_TABLE_SCHEMA = pl.Schema({"query_id": pl.String, "user_id": pl.String, "query": pl.String,
+                                "as_of": pl.Datetime("us", "UTC"), "as_of_turn": pl.Int64, "task_context": pl.String})
+QUERY_INPUT_QUARANTINE = pl.Schema({"source_row": pl.Int64, "query_id": pl.String, "user_id": pl.String,
+                                    "field": pl.String, "reason": pl.String, "raw": pl.String})
+MAX_QUERY_CHARS = 8000
+
+
+def read_queries(path: str | os.PathLike) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(valid queries, quarantined rows with field + reason)."""
+    p = Path(path)
+    records, bad = [], []
+    if p.suffix.lower() in (".parquet", ".pq"):
+        rows = pl.read_parquet(p).to_dicts()
+        numbered = [(i + 1, r, None) for i, r in enumerate(rows)]
+    else:
+        numbered = []
+        for i, line in enumerate(p.read_bytes().split(b"\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.decode("utf-8"))
+                numbered.append((i, obj, None) if isinstance(obj, dict) else (i, None, "expected a JSON object"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                numbered.append((i, None, f"unreadable line: {e}"))
+            if numbered[-1][1] is None:
+                numbered[-1] = (i, {"_raw": line.decode("utf-8", "backslashreplace")[:2000]}, numbered[-1][2])
+    for row_no, obj, err in numbered:
+        if err:
+            bad.append({"source_row": row_no, "query_id": None, "user_id": None, "field": "(line)", "reason": err, "raw": obj.get("_raw")})
+            continue
+        rec = {k: obj.get(k) for k in QUERY_RAW}
+        if isinstance(rec["as_of"], datetime):
+            rec["as_of"] = rec["as_of"].isoformat()
+        problem = _check(rec)
+        if problem:
+            bad.append({"source_row": row_no, "query_id": _s(rec["query_id"]), "user_id": _s(rec["user_id"]),
+                        "field": problem[0], "reason": problem[1], "raw": json.dumps(obj, default=str)[:2000]})
+        else:
+            rec["_row"] = row_no
+            records.append(rec)
+    df = pl.DataFrame(records, schema={**QUERY_RAW, "_row": pl.Int64}) if records else pl.DataFrame(schema={**QUERY_RAW, "_row": pl.Int64})
+    df = with_parsed_timestamps(df.rename({"as_of": "timestamp"})).rename({"timestamp": "as_of_raw"})
+    unparsed = df.filter(pl.col("as_of_raw").is_not_null() & pl.col("_ts").is_null())
+    for r in unparsed.iter_rows(named=True):
+        bad.append({"source_row": r["_row"], "query_id": r["query_id"], "user_id": r["user_id"], "field": "as_of",
+                    "reason": f"unparseable as_of '{r['as_of_raw'][:64]}'", "raw": None})
+    df = df.filter(~(pl.col("as_of_raw").is_not_null() & pl.col("_ts").is_null()))
+    dup = df.filter(pl.col("query_id").is_duplicated() & (pl.col("_row") != pl.col("_row").min().over("query_id")))
+    for r in dup.iter_rows(named=True):
+        bad.append({"source_row": r["_row"], "query_id": r["query_id"], "user_id": r["user_id"], "field": "query_id",
+                    "reason": "duplicate query_id", "raw": None})
+    df = df.filter(~pl.col("_row").is_in(dup["_row"].implode()))
+    valid = df.select(
+        "query_id", "user_id", "query", pl.col("_ts").alias("as_of"), "as_of_turn", "task_context"
+    ).cast(dict(QUERY_TABLE_SCHEMA))
+    q = pl.DataFrame(bad, schema=QUERY_INPUT_QUARANTINE) if bad else QUERY_INPUT_QUARANTINE.to_frame()
+    return valid, q.sort("source_row")
+
+
+def _s(v):
+    return v if isinstance(v, str) else None
+
+
+def _check(rec: dict) -> tuple[str, str] | None:
+    if not isinstance(rec["query_id"], str) or not rec["query_id"].strip():
+        return "query_id", "missing query_id"
+    uid = rec["user_id"]
+    if not isinstance(uid, str) or not USER_ID_PATTERN.fullmatch(uid) or ".." in uid:
+        return "user_id", f"invalid user id {uid!r}"
+    if not isinstance(rec["query"], str) or not rec["query"].strip():
+        return "query", "missing query text"
+    if len(rec["query"]) > MAX_QUERY_CHARS:
+        return "query", f"oversize query: {len(rec['query'])} chars > {MAX_QUERY_CHARS}"
+    if rec["as_of"] is not None and not isinstance(rec["as_of"], (str, int, float)):
+        return "as_of", "as_of must be an ISO-8601 string or epoch seconds"
+    if rec["as_of"] is not None and not isinstance(rec["as_of"], str):
+        rec["as_of"] = str(rec["as_of"])
+    t = rec["as_of_turn"]
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+        return "as_of_turn", f"as_of_turn must be a non-negative integer, got {t!r}"
+    if rec["task_context"] is not None and not isinstance(rec["task_context"], str):
+        return "task_context", "task_context must be a string"
+    return None
+
+
+def as_of_position(turns: pl.DataFrame, as_of: datetime | None, as_of_turn: int | None) -> int:
+    """The last turn_index the query may draw evidence from (inclusive); -1 when none.
+
+    as_of_turn wins when given. With a timestamp, it is the last turn stamped at or before it:
+    trailing turns with no timestamp are treated as not yet known (never future evidence). With
+    neither, the end of the history.
+    """
+    if as_of_turn is not None:
+        return int(as_of_turn)
+    if turns.height == 0:
+        return -1
+    if as_of is None:
+        return int(turns["turn_index"].max())
+    if as_of.tzinfo is None:
+        as_of = as_of.replace(tzinfo=timezone.utc)
+    ok = turns.filter(pl.col("timestamp").is_not_null() & (pl.col("timestamp") <= as_of))
+    return int(ok["turn_index"].max()) if ok.height else -1
+
+
+def to_queries(valid: pl.DataFrame, turns_by_user: dict[str, pl.DataFrame]) -> list[Query]:
+    out = []
+    for r in valid.iter_rows(named=True):
+        turns = turns_by_user.get(r["user_id"])
+        if turns is None:
+            continue
+        out.append(Query(r["query_id"], r["user_id"], r["query"], as_of_position(turns, r["as_of"], r["as_of_turn"]), r["task_context"]))
+    return out
+

@@ -1,0 +1,1 @@
+"""Query strategies behind one interface; see `base.QueryStrategy` and `registry`."""

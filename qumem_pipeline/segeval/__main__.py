@@ -1,9 +1,0 @@
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from .evaluate import main  # noqa: E402
-
-raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""The DuckDB warehouse: one table per stage, refreshed per user, plus Parquet export.
+
+Stages register their table names in WAREHOUSE_TABLES; loading a set of users replaces
+exactly those users' rows in one transaction, so reruns converge and other users are
+untouched. Deleting a user rewrites the database file, because DuckDB does not zero the
+pages of deleted rows and a forgotten user's text must not survive on disk.
+
+DuckDB lets one process open a file read-write, and no reader while it does; a second process
+fails at once with an IO error. Every connection therefore first takes an inter-process lock,
+``flock`` on ``<warehouse>.lock`` (exclusive for writers, shared for readers), waiting up to
+QUMEM_WAREHOUSE_LOCK_TIMEOUT seconds, so two runs started at once queue instead of failing.
+"""
+
+import fcntl
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import duckdb
+
+from qumem_pipeline.runtime.faults import fault_point
+from qumem_pipeline.contracts.ids import USER_ID_PATTERN, validate_user_id
+from qumem_pipeline.storage.layout import DataLayout, temp_prefix
+
+LOCK_TIMEOUT_S = float(os.environ.get("QUMEM_WAREHOUSE_LOCK_TIMEOUT", "600"))
+_held = threading.local()  # lock files this thread holds: nested connects (delete -> compact) re-enter
+
+
+class WarehouseBusy(TimeoutError):
+    """Another process held the warehouse lock for longer than the timeout."""
+
+# Per-user tables mirrored into the warehouse, in load order. Later stages add theirs here.
+WAREHOUSE_TABLES: list[str] = [
+    "turns", "quarantine", "fingerprints", "episodes", "memories", "memory_quarantine", "llm_ledger",
+    "query_states", "query_quarantine", "persona_profiles",
+]
+
+
+def register_table(name: str) -> None:
+    if name not in WAREHOUSE_TABLES:
+        WAREHOUSE_TABLES.append(name)
+
+
+class Warehouse:
+    def __init__(self, path: str | os.PathLike, lock_timeout_s: float | None = None):
+        self.path = Path(path)
+        self.lock_timeout_s = LOCK_TIMEOUT_S if lock_timeout_s is None else lock_timeout_s
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    @contextmanager
+    def lock(self, shared: bool = False):
+        """Hold the inter-process warehouse lock (re-entrant within a thread)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = str(self.lock_path.resolve())
+        held = _held.__dict__.setdefault("paths", set())
+        if key in held:
+            yield
+            return
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + self.lock_timeout_s
+            mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+            while True:
+                try:
+                    fcntl.flock(fd, mode)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise WarehouseBusy(
+                            f"warehouse {self.path} is busy: another process has held {self.lock_path} for more than "
+                            f"{self.lock_timeout_s:g}s (raise QUMEM_WAREHOUSE_LOCK_TIMEOUT, or wait for that run to finish)"
+                        ) from None
+                    time.sleep(0.05)
+            held.add(key)
+            try:
+                yield
+            finally:
+                held.discard(key)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def connect(self, read_only: bool = False):
+        """A DuckDB connection, opened and closed under the warehouse lock."""
+        with self.lock(shared=read_only):
+            con = duckdb.connect(str(self.path), read_only=read_only)
+            try:
+                yield con
+            finally:
+                con.close()
+
+    def load_users(self, layout: DataLayout, user_ids: list[str], tables: list[str] | None = None) -> dict[str, int]:
+        """Replace the given users' rows in every table from their Parquet partitions."""
+        for u in user_ids:
+            validate_user_id(u)
+        loaded: dict[str, int] = {}
+        with self.connect() as con:
+            for table in tables or WAREHOUSE_TABLES:
+                files = [str(p) for p in layout.table_files(table, user_ids)]
+                exists = self._has_table(con, table)
+                if not files and not exists:
+                    continue
+                con.execute("BEGIN TRANSACTION")
+                try:
+                    if not exists:
+                        con.execute(
+                            f'CREATE TABLE "{table}" AS SELECT * FROM read_parquet(?, union_by_name=true) LIMIT 0',
+                            [files],
+                        )
+                    con.execute(f'DELETE FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids])
+                    if files:
+                        self._add_missing_columns(con, table, files)
+                        con.execute(
+                            f'INSERT INTO "{table}" BY NAME SELECT * FROM read_parquet(?, union_by_name=true)',
+                            [files],
+                        )
+                    con.execute("COMMIT")
+                except BaseException:
+                    con.execute("ROLLBACK")
+                    raise
+                fault_point("warehouse.table")  # crash tests: some tables refreshed, the rest not yet
+                loaded[table] = con.execute(
+                    f'SELECT count(*) FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids]
+                ).fetchone()[0]
+        return loaded
+
+    def load_unattributed(self, layout: DataLayout, key: str) -> int:
+        """Mirror quarantined rows that have no valid user id (their own partition) into `quarantine`."""
+        path = layout.user_file("quarantine", key)
+        if not path.exists():
+            return 0
+        with self.connect() as con:
+            if not self._has_table(con, "quarantine"):
+                con.execute("CREATE TABLE quarantine AS SELECT * FROM read_parquet(?) LIMIT 0", [str(path)])
+            con.execute("BEGIN TRANSACTION")
+            try:
+                con.execute(
+                    "DELETE FROM quarantine WHERE user_id IS NULL OR NOT regexp_full_match(user_id, ?) OR contains(user_id, '..')",
+                    [USER_ID_PATTERN.pattern],
+                )
+                con.execute("INSERT INTO quarantine BY NAME SELECT * FROM read_parquet(?)", [str(path)])
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            return con.execute("SELECT count(*) FROM read_parquet(?)", [str(path)]).fetchone()[0]
+
+    @staticmethod
+    def _has_table(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+        return bool(
+            con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = ? AND table_schema = 'main'",
+                [table],
+            ).fetchone()[0]
+        )
+
+    @staticmethod
+    def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str]) -> None:
+        """A stage that gains a column must not break loading into an older warehouse."""
+        have = {r[0] for r in con.execute(f'DESCRIBE "{table}"').fetchall()}
+        incoming = con.execute("DESCRIBE SELECT * FROM read_parquet(?, union_by_name=true)", [files]).fetchall()
+        for name, dtype, *_ in incoming:
+            if name not in have:
+                con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {dtype}')
+
+    def counts(self) -> dict[str, int]:
+        if not self.path.exists():
+            return {}
+        with self.connect(read_only=True) as con:
+            names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema='main' ORDER BY 1").fetchall()]
+            return {n: con.execute(f'SELECT count(*) FROM "{n}"').fetchone()[0] for n in names}
+
+    def users(self, table: str = "turns") -> list[str]:
+        if not self.path.exists():
+            return []
+        with self.connect(read_only=True) as con:
+            if not self._has_table(con, table):
+                return []
+            return [r[0] for r in con.execute(f'SELECT DISTINCT user_id FROM "{table}" ORDER BY 1').fetchall()]
+
+    def delete_user(self, user_id: str) -> dict[str, int]:
+        """Delete the user everywhere, then rewrite the file so no freed page keeps their text."""
+        validate_user_id(user_id)
+        if not self.path.exists():
+            return {}
+        deleted: dict[str, int] = {}
+        with self.lock():  # no other writer between the delete and the rewrite
+            with self.connect() as con:
+                names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema='main'").fetchall()]
+                for n in names:
+                    cols = {r[0] for r in con.execute(f'DESCRIBE "{n}"').fetchall()}
+                    if "user_id" in cols:
+                        deleted[n] = con.execute(f'DELETE FROM "{n}" WHERE user_id = ?', [user_id]).fetchone()[0]
+            self.compact()
+        return deleted
+
+    def compact(self) -> None:
+        """Copy every table into a fresh database file and atomically swap it in."""
+        tmp = self.path.with_name(f"{temp_prefix()}{self.path.name}")
+        tmp.unlink(missing_ok=True)
+        with self.lock():  # the swap, too, must not race another writer
+            with self.connect() as con:
+                con.execute(f"ATTACH '{_sql_path(tmp)}' AS fresh")
+                names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() AND table_schema='main'").fetchall()]
+                for n in names:
+                    con.execute(f'CREATE TABLE fresh."{n}" AS SELECT * FROM main."{n}"')
+                con.execute("DETACH fresh")
+            os.replace(tmp, self.path)
+            Path(str(self.path) + ".wal").unlink(missing_ok=True)
+
+    def export_parquet(self, out_dir: str | os.PathLike) -> dict[str, str]:
+        """COPY every table to `<out_dir>/<table>.parquet` for other warehouses."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = {}
+        with self.connect(read_only=True) as con:
+            names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema='main' ORDER BY 1").fetchall()]
+            for n in names:
+                target = out / f"{n}.parquet"
+                tmp = out / f"{temp_prefix()}{n}.parquet"
+                con.execute(f"COPY (SELECT * FROM \"{n}\" ORDER BY ALL) TO '{_sql_path(tmp)}' (FORMAT parquet, COMPRESSION zstd)")
+                os.replace(tmp, target)
+                written[n] = str(target)
+        return written
+
+
+def _sql_path(p: Path) -> str:
+    return str(p).replace("'", "''")
