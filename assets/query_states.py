@@ -11,10 +11,9 @@ from assets.progress import ProgressLogger
 from assets.adamem import GRAPH_EDGES, GRAPH_NODES, memory_graph
 from assets.retrieval import memory_indexes
 from qumem_pipeline.contracts import checks
-from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K as ADAMEM_K, UserBundle
-from qumem_pipeline.query.strategies.adamem.strategy import AdaMemRetriever
+from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever, UserBundle
 from qumem_pipeline.query.queries import read_queries, to_queries
-from qumem_pipeline.query.strategies.qumem import QUERY_PROMPT_VERSION, infer_user_states
+from qumem_pipeline.query.strategies.registry import get_strategy
 from qumem_pipeline.query.retrieval import TypedMemoryRetriever
 from qumem_pipeline.contracts.stage_versions import stage_code_versions
 from qumem_pipeline.index.vector_store import VectorStore
@@ -72,13 +71,15 @@ def query_states(
     mems = layout.read_table("memories", users)
     if mems is None:
         raise dg.Failure("materialize `memories` first")
-    if pipeline.query_strategy == "adamem":
-        retriever, k = adamem_retriever(layout, users, turns_by_user, mems, embedder.model), ADAMEM_K
+    strategy = get_strategy(pipeline.query_strategy)
+    if strategy.retriever_kind == "adamem":
+        retriever = adamem_retriever(layout, users, turns_by_user, mems, embedder.model)
     else:
-        retriever, k = TypedMemoryRetriever(VectorStore(layout), embedder.model, mems), pipeline.retrieval_k
+        retriever = TypedMemoryRetriever(VectorStore(layout), embedder.model, mems)
+    k = strategy.default_k if strategy.default_k is not None else pipeline.retrieval_k
     progress = ProgressLogger(context.log, "query-state stages")
-    out = infer_user_states(
-        queries, llm.backend, retriever, strategy=pipeline.query_strategy, k=k,
+    out = strategy.infer(
+        queries, llm.backend, retriever, k=k,
         respond=pipeline.respond, created_at=datetime.now(timezone.utc),
         progress=lambda stage, done, total: progress(done, total) or context.log.info(f"stage done: {stage}"),
     )
@@ -91,7 +92,7 @@ def query_states(
         metadata={
             "queries": len(queries), "dagster/row_count": out.states.height, "strategy": pipeline.query_strategy,
             "input_rows_quarantined": bad.height, **{k: v for k, v in out.stats.items() if isinstance(v, (int, float))},
-            "model": llm.backend.model_name, "prompt_version": QUERY_PROMPT_VERSION,
+            "model": llm.backend.model_name, "prompt_version": strategy.version,
             "seconds": round(time.perf_counter() - t0, 3),
         },
     )

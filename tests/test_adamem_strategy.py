@@ -11,7 +11,8 @@ from qumem_pipeline.query.strategies.adamem.route import (
 )
 from qumem_pipeline.query.strategies.adamem.retriever import UserBundle
 from qumem_pipeline.query.strategies.adamem.strategy import MAX_ITERATIONS, AdaMemRetriever
-from qumem_pipeline.query.strategies.qumem import Query, infer_user_states
+from qumem_pipeline.query.strategies.base import Query
+from qumem_pipeline.query.strategies.registry import infer_user_states
 from test_query_state import ScriptedLLM
 from tests import adamem_data as data
 

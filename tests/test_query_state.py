@@ -8,7 +8,9 @@ import json
 import pytest
 
 from qumem_pipeline.llm.base import ChatResult, parse_structured
-from qumem_pipeline.query.strategies.qumem import RetrievedMemory, Query, infer_user_states, validate_plan
+from qumem_pipeline.query.strategies.base import Query, RetrievedMemory
+from qumem_pipeline.query.strategies.qumem import validate_plan
+from qumem_pipeline.query.strategies.registry import infer_user_states
 
 
 class ScriptedLLM:

@@ -12,7 +12,7 @@ from pathlib import Path
 import polars as pl
 
 from qumem_pipeline.contracts.ids import USER_ID_PATTERN
-from qumem_pipeline.query.strategies.qumem import Query
+from qumem_pipeline.query.strategies.base import Query
 from qumem_pipeline.ingest.validate import with_parsed_timestamps
 
 QUERY_RAW = {"query_id": pl.String, "user_id": pl.String, "query": pl.String, "as_of": pl.String,

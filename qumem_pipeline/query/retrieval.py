@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from qumem_pipeline.index.vector_store import MEMORY_TYPES, VectorStore, normalize_type
+from qumem_pipeline.query.strategies.base import RetrievedMemory
 
 DEFAULT_K = 5
 
@@ -149,7 +150,7 @@ def retrieve_baseline(
 class TypedMemoryRetriever:
     """The query-state agents' retriever: planned (query, stores) per query -> memories with content.
 
-    Implements ``query_state.Retriever`` over the per-user FAISS stores; contents, evidence and
+    Implements ``strategies.base.Retriever`` over the per-user FAISS stores; contents, evidence and
     timestamps come from the memories table.
     """
 
@@ -158,8 +159,6 @@ class TypedMemoryRetriever:
         self.rows = {r["memory_id"]: r for r in memories.iter_rows(named=True)}
 
     def retrieve(self, requests, k):
-        from qumem_pipeline.query.strategies.qumem import RetrievedMemory
-
         reqs = [
             RetrievalRequest(str(i), user_id, [PlannedQuery(text, tuple(types)) for text, types in plan], as_of)
             for i, (user_id, plan, as_of) in enumerate(requests)

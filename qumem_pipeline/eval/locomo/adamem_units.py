@@ -24,8 +24,8 @@ import polars as pl
 
 from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, UserBundle
 from qumem_pipeline.query.strategies.adamem.route import plan_route
+from qumem_pipeline.query.strategies.registry import STRATEGY_NAMES as EVAL_STRATEGIES
 
-EVAL_STRATEGIES = ("qumem", "adamem", "topk")
 NEEDS_LLM = {"qumem": "qumem's A1/A2 planning needs an LLM; not run (retrieval-only evaluation: give --llm-kind "
                       "or --decompose to run it)"}
 NEEDS_MEMORIES = {"qumem": "qumem retrieves typed memories: give a memories table (--memories) or --decompose"}

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import polars as pl
 
 from qumem_pipeline.index.embeddings import embed_memories
-from qumem_pipeline.query.strategies.qumem import Query, plan_retrieval
+from qumem_pipeline.query.strategies.base import Query
+from qumem_pipeline.query.strategies.qumem import plan_retrieval
 from qumem_pipeline.query.retrieval import DEFAULT_K, TypedMemoryRetriever
 from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
 

@@ -20,7 +20,7 @@ import numpy as np
 import polars as pl
 
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
-from qumem_pipeline.query.strategies.qumem import _generate_with_retry
+from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.contracts.versions import CODE_VERSION
 
 PROFILE_TYPES = ("preference", "insight")
@@ -106,7 +106,7 @@ def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: 
         groups += [(user_id, [rows[i] for i in g]) for g in near_duplicate_groups(vecs)]
     pids = [profile_id(u, [r["memory_id"] for r in g]) for u, g in groups]
     merge = [gi for gi, (_, g) in enumerate(groups) if len(g) > 1 and pids[gi] not in reuse]
-    results = dict(zip(merge, _generate_with_retry(llm, [
+    results = dict(zip(merge, generate_with_retry(llm, [
         ChatRequest(f"{groups[gi][0]}/profile-{gi}/merge",
                     [{"role": "system", "content": MERGE_SYSTEM},
                      {"role": "user", "content": "Statements (oldest first):\n" + "\n".join(f"- {r['content']}" for r in groups[gi][1])

@@ -18,6 +18,7 @@ so no future evidence can enter by any route.
 """
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -188,3 +189,23 @@ class UserBundle:
             hits.append(Hit(self.units[i], score, channels[i]))
         hits.sort(key=lambda h: (-h.score, h.unit.position, h.unit.unit_id))
         return hits[:k]
+
+
+class AdaMemRetriever:
+    """Route-planned hybrid retrieval for many queries at once, one bundle per user (built once)."""
+
+    def __init__(self, bundles: dict[str, UserBundle], embedder):
+        self.bundles, self.embedder = bundles, embedder
+
+    def retrieve_routed(self, requests: Sequence[tuple[str, str, int, RoutePlan, str]], k: int) -> list[list[Hit]]:
+        """(user_id, text, as_of, plan, target) per query -> hits; all texts embedded in one call."""
+        texts = list(dict.fromkeys(r[1] for r in requests))
+        vecs = self.embedder.encode(texts) if texts else np.zeros((0, 0), np.float32)
+        row = {t: i for i, t in enumerate(texts)}
+        out = []
+        for user_id, text, as_of, plan, target in requests:
+            bundle = self.bundles.get(user_id)
+            if bundle is None:
+                raise KeyError(f"no AdaMem bundle for user {user_id!r} (materialize memories and memory_graph)")
+            out.append(bundle.retrieve(text, vecs[row[text]], as_of, plan, k, target))
+        return out

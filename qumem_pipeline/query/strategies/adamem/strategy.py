@@ -1,8 +1,9 @@
 """The ``adamem`` query strategy: route plan -> hybrid retrieval -> research loop (<= 2) -> working answer.
 
-Same contract as the ``qumem`` and ``topk`` strategies (``query_state.infer_user_states`` dispatches
-here; rows use ``query_state.STATE_SCHEMA``), and the same stage batching: every LLM stage is one
-batch over all queries of the run, and every retrieval round one call for all queries.
+Same contract as the ``qumem`` and ``topk`` strategies (``base.QueryStrategy``, registered as
+``adamem`` in ``registry``; rows use ``base.STATE_SCHEMA``), and the same stage batching: every LLM
+stage is one batch over all queries of the run, and every retrieval round one call for all queries.
+It needs an ``AdaMemRetriever`` (``retriever_kind = "adamem"``).
 
 - Route planning is deterministic (cue detection, ``route.plan_route``), recorded in ``plan``; the
   resolved participant and cues go in ``needs``.
@@ -17,21 +18,22 @@ batch over all queries of the run, and every retrieval round one call for all qu
 import copy
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 
-import numpy as np
-import polars as pl
-
-from qumem_pipeline.query.strategies.adamem.participants import resolve
-from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, Hit, UserBundle
-from qumem_pipeline.query.strategies.adamem.route import RoutePlan, plan_route
-from qumem_pipeline.llm.base import ChatRequest, LLMBackend
-from qumem_pipeline.query.strategies.qumem import (
-    A3_SCHEMA, QUERY_QUARANTINE_SCHEMA, STATE_SCHEMA, Query, RetrievedMemory, StateOutput, answer_queries,
-    _generate_with_retry, _render_candidates, _resolve_citations, _user_msg,
-)
 from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.llm.base import ChatRequest, LLMBackend
+from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.query.strategies.adamem.participants import resolve
+from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, AdaMemRetriever, Hit
+from qumem_pipeline.query.strategies.adamem.route import plan_route
+from qumem_pipeline.query.strategies.base import (
+    USER_STATE_SCHEMA, Progress, Query, QueryStrategy, RetrievedMemory, StateOutput, TokenCounts, answer_queries,
+    candidate_index, candidate_structs, check_no_future, cited_turns, output_frames, quarantine_row,
+    render_candidates, resolve_citations, user_message,
+)
+
+__all__ = ["ADAMEM_PROMPT_VERSION", "AdaMemRetriever", "AdaMemStrategy", "MAX_ITERATIONS", "infer_adamem_states"]
 
 MAX_ITERATIONS = 2
 RESEARCH_MAX_TOKENS, WORKING_MAX_TOKENS = 800, 160
@@ -47,34 +49,14 @@ WORKING_SYSTEM = (
     "You are the working agent of a conversational memory system. Answer the question in one short "
     "sentence or phrase using only the research notes. Answer with JSON only."
 )
-RESEARCH_SCHEMA = copy.deepcopy(A3_SCHEMA)
+RESEARCH_SCHEMA = copy.deepcopy(USER_STATE_SCHEMA)
 RESEARCH_SCHEMA["properties"]["sufficient"] = {"type": "boolean"}
 RESEARCH_SCHEMA["properties"]["follow_up"] = {"type": "string", "maxLength": 120}
-RESEARCH_SCHEMA["required"] = [*A3_SCHEMA["required"], "sufficient", "follow_up"]
+RESEARCH_SCHEMA["required"] = [*USER_STATE_SCHEMA["required"], "sufficient", "follow_up"]
 WORKING_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 200}},
                   "required": ["answer"], "additionalProperties": False}
 ADAMEM_PROMPT_VERSION = "adamem-v1-" + hashlib.sha256(json.dumps(
     [RESEARCH_SYSTEM, WORKING_SYSTEM, RESEARCH_SCHEMA, WORKING_SCHEMA], sort_keys=True).encode()).hexdigest()[:10]
-
-
-class AdaMemRetriever:
-    """Route-planned hybrid retrieval for many queries at once, one bundle per user (built once)."""
-
-    def __init__(self, bundles: dict[str, UserBundle], embedder):
-        self.bundles, self.embedder = bundles, embedder
-
-    def retrieve_routed(self, requests: Sequence[tuple[str, str, int, RoutePlan, str]], k: int) -> list[list[Hit]]:
-        """(user_id, text, as_of, plan, target) per query -> hits; all texts embedded in one call."""
-        texts = list(dict.fromkeys(r[1] for r in requests))
-        vecs = self.embedder.encode(texts) if texts else np.zeros((0, 0), np.float32)
-        row = {t: i for i, t in enumerate(texts)}
-        out = []
-        for user_id, text, as_of, plan, target in requests:
-            bundle = self.bundles.get(user_id)
-            if bundle is None:
-                raise KeyError(f"no AdaMem bundle for user {user_id!r} (materialize memories and memory_graph)")
-            out.append(bundle.retrieve(text, vecs[row[text]], as_of, plan, k, target))
-        return out
 
 
 def _as_retrieved(h: Hit) -> RetrievedMemory:
@@ -92,16 +74,12 @@ def _merge(a: list[RetrievedMemory], b: list[RetrievedMemory]) -> list[Retrieved
 
 def infer_adamem_states(
     queries: Sequence[Query], llm: LLMBackend, retriever: AdaMemRetriever, *, k: int = DEFAULT_K,
-    created_at: datetime | None = None, progress: Callable[[str, int, int], None] | None = None,
+    created_at: datetime | None = None, progress: Progress | None = None,
 ) -> StateOutput:
     created_at = created_at or datetime.now(timezone.utc)
     n = len(queries)
-    tokens = [[0, 0] for _ in range(n)]
+    tokens = TokenCounts(n)
     quarantine: list[dict] = []
-
-    def account(i, r):
-        tokens[i][0] += r.prompt_tokens
-        tokens[i][1] += r.completion_tokens
 
     def step(name):
         if progress:
@@ -117,30 +95,24 @@ def infer_adamem_states(
     step("retrieval 1")
 
     states: list[dict | None] = [None] * n
-    research_raw: list[dict | None] = [None] * n
     todo = list(range(n))
     for it in range(1, MAX_ITERATIONS + 1):
-        for i in todo:
-            future = [c.memory_id for c in candidates[i] if c.position > queries[i].as_of_position]
-            if future:  # defence in depth: the retriever masks future units already
-                raise AssertionError(f"retriever returned evidence after as_of for query {queries[i].query_id}: {future}")
-        rs = _generate_with_retry(llm, [
+        # defence in depth: the retriever masks future units already
+        check_no_future(queries, candidates, "evidence", rows=todo)
+        rs = generate_with_retry(llm, [
             ChatRequest(f"{queries[i].query_id}/research{it}",
                         [{"role": "system", "content": RESEARCH_SYSTEM},
-                         {"role": "user", "content": _user_msg(queries[i], _render_candidates(candidates[i])
-                                                               + "\n\nReturn the research notes as JSON.")}],
+                         {"role": "user", "content": user_message(queries[i], render_candidates(candidates[i])
+                                                                  + "\n\nReturn the research notes as JSON.")}],
                         RESEARCH_SCHEMA, RESEARCH_MAX_TOKENS, "research")
             for i in todo
         ])
         follow: list[int] = []
         for i, r in zip(todo, rs):
-            account(i, r)
-            research_raw[i] = r.parsed if r.ok else None
+            tokens.account(i, r)
             if not r.ok:
-                if states[i] is None:
-                    quarantine.append({"query_id": queries[i].query_id, "user_id": queries[i].user_id,
-                                       "stage": f"research{it}", "reason": r.error or "no output", "raw": r.raw_text[:4096],
-                                       "prompt_version": ADAMEM_PROMPT_VERSION, "created_at": created_at})
+                if states[i] is None:  # a failed second round keeps the first round's notes
+                    quarantine.append(quarantine_row(queries[i], f"research{it}", r, ADAMEM_PROMPT_VERSION, created_at))
                 continue
             states[i] = r.parsed
             fu = (r.parsed.get("follow_up") or "").strip()
@@ -158,17 +130,17 @@ def infer_adamem_states(
         todo = follow
 
     resolved: list[tuple[dict, list[str], int] | None] = [
-        _resolve_citations(states[i], candidates[i]) if states[i] is not None else None for i in range(n)]
+        resolve_citations(states[i], candidates[i]) if states[i] is not None else None for i in range(n)]
     answerable = [i for i in range(n) if resolved[i] is not None]
     responses: list[str | None] = [None] * n
     answers = answer_queries(llm, queries, answerable, lambda i: "Research notes: " + json.dumps(resolved[i][0]),
                              system=WORKING_SYSTEM, schema=WORKING_SCHEMA, max_tokens=WORKING_MAX_TOKENS,
-                             request_suffix="working", kind="working_answer", account=account)
+                             request_suffix="working", kind="working_answer", account=tokens.account)
     for i, a in answers.items():
         responses[i] = a
     step("working answer")
 
-    by_id = {c.memory_id: c for cs in candidates for c in cs}
+    by_id = candidate_index(candidates)
     rows = []
     for i, q in enumerate(queries):
         if resolved[i] is None:
@@ -178,18 +150,32 @@ def infer_adamem_states(
             "query_id": q.query_id, "user_id": q.user_id, "query": q.query, "as_of_position": q.as_of_position,
             "strategy": "adamem", "needs": json.dumps({"target": targets[i], "cues": list(plans[i].cues)}),
             "plan": json.dumps(searches[i]), "plan_repaired": None,
-            "candidates": [{"memory_id": c.memory_id, "type": c.type, "score": float(c.score), "position": int(c.position)}
-                           for c in candidates[i]],
-            "state": json.dumps(state), "cited_memory_ids": cited,
-            "cited_turn_ids": sorted({t for m in cited for t in by_id[m].evidence_turn_ids}),
+            "candidates": candidate_structs(candidates[i]),
+            "state": json.dumps(state), "cited_memory_ids": cited, "cited_turn_ids": cited_turns(cited, by_id),
             "dropped_citations": dropped, "response": responses[i], "model": llm.model_name,
             "prompt_version": ADAMEM_PROMPT_VERSION, "code_version": CODE_VERSION,
-            "prompt_tokens": tokens[i][0], "completion_tokens": tokens[i][1], "created_at": created_at,
+            "prompt_tokens": tokens.per_query[i][0], "completion_tokens": tokens.per_query[i][1], "created_at": created_at,
         })
-    states_df = pl.DataFrame(rows, schema=STATE_SCHEMA) if rows else STATE_SCHEMA.to_frame()
-    q_df = pl.DataFrame(quarantine, schema=QUERY_QUARANTINE_SCHEMA) if quarantine else QUERY_QUARANTINE_SCHEMA.to_frame()
+    states_df, q_df = output_frames(rows, quarantine)
     stats = {"queries": n, "states": states_df.height, "quarantined": q_df.height,
              "research_iterations_2": sum(1 for s in searches if len(s) > 1),
              "dropped_citations": sum(r[2] for r in resolved if r), "mean_candidates": (sum(map(len, candidates)) / n) if n else 0.0,
-             "prompt_tokens": sum(t[0] for t in tokens), "completion_tokens": sum(t[1] for t in tokens)}
+             **tokens.totals()}
     return StateOutput(states=states_df, quarantine=q_df, stats=stats)
+
+
+class AdaMemStrategy(QueryStrategy):
+    """AdaMem's route-planned hybrid retrieval with a bounded research loop and a working answer."""
+
+    name = "adamem"
+    version = ADAMEM_PROMPT_VERSION
+    retriever_kind = "adamem"
+    default_k = DEFAULT_K
+
+    def infer(self, queries: Sequence[Query], llm: LLMBackend, retriever: AdaMemRetriever, *, k: int | None = None,
+              respond: bool = False, created_at: datetime | None = None, progress: Progress | None = None) -> StateOutput:
+        """``respond`` is ignored: the working answer is part of the strategy."""
+        if not isinstance(retriever, AdaMemRetriever):
+            raise TypeError(f"strategy 'adamem' needs an AdaMemRetriever, got {type(retriever).__name__}")
+        return infer_adamem_states(queries, llm, retriever, k=self.default_k if k is None else k,
+                                   created_at=created_at, progress=progress)
