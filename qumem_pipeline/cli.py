@@ -1,12 +1,12 @@
-"""`qumem`: the command line. Pipeline commands are thin wrappers over in-process Dagster runs
-against the instance in $DAGSTER_HOME (default ./.dagster_home), so `dagster dev` pointed at
-the same home shows every run the CLI made. Dagster is imported only by those commands.
+"""`qumem`: the command line. Argument parsing lives here; the commands that run Dagster (run,
+ingest, forget, export, users) live in the Dagster layer (`assets/commands.py`) and are imported
+only when one of them runs, so the domain core never imports Dagster. They are in-process Dagster
+runs against the instance in $DAGSTER_HOME (default ./.dagster_home), so `dagster dev` pointed at
+the same home shows every run the CLI made.
 """
 
 import argparse
-import fcntl
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -63,140 +63,16 @@ def install_instance_config(cfg: Path, source: Path = REPO_ROOT / "dagster.yaml"
     return "upgraded" if existed else "new"
 
 
-def _instance():
-    import dagster as dg
+def _dagster_command(name: str):
+    """A command that runs Dagster: its code lives in the Dagster layer, imported only when it runs."""
 
-    home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path.cwd() / ".dagster_home"))).resolve()
-    os.environ["DAGSTER_HOME"] = str(home)
-    home.mkdir(parents=True, exist_ok=True)
-    # Two commands started at once on a fresh home would both create the SQLite tables and one
-    # fails ("table alembic_version already exists"): set the instance up under a file lock.
-    with open(home / ".qumem-instance.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        install_instance_config(home / "dagster.yaml")
-        instance = dg.DagsterInstance.get()
-        # Touch every storage once so their schema exists before the lock is released.
-        instance.get_runs(limit=1)
-        instance.get_dynamic_partitions("users")
-        return instance
+    def call(args: argparse.Namespace) -> int:
+        _apply_common(args)
+        from assets.commands import run_command
 
+        return run_command(name, args)
 
-def _defs():
-    from assets.definitions import build_definitions
-
-    return build_definitions()
-
-
-def register_users(instance, defs) -> list[str]:
-    """Discover users in the configured archive and add new ones as partitions."""
-    from assets.partitions import users_partitions
-    from qumem_pipeline.ingest.discovery import discover
-
-    pipeline = defs.resources["pipeline"]
-    found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
-    existing = set(instance.get_dynamic_partitions(users_partitions.name))
-    new = [u for u in sorted(found.fingerprints) if u not in existing]
-    if new:
-        instance.add_dynamic_partitions(users_partitions.name, new)
-    return sorted(found.fingerprints)
-
-
-def run_job(instance, defs, job_name: str, users: list[str], per_run: int) -> list[str]:
-    """Run `job_name` over `users` in contiguous partition ranges of at most `per_run` users."""
-    from assets.partitions import users_partitions
-    from assets.recovery import fail_dead_runs
-
-    for run_id in fail_dead_runs(instance):  # a killed earlier run would hold its pool slots forever
-        print(f"[{job_name}] marked run {run_id} failed: its process was killed", flush=True)
-    wanted = set(users)
-    ordered = [k for k in instance.get_dynamic_partitions(users_partitions.name) if k in wanted]
-    job = defs.resolve_job_def(job_name)
-    run_ids = []
-    keys = instance.get_dynamic_partitions(users_partitions.name)
-    pos = {k: i for i, k in enumerate(keys)}
-    chunks, current = [], []
-    for u in ordered:  # a range must be contiguous in partition order
-        if current and (len(current) >= per_run or pos[u] != pos[current[-1]] + 1):
-            chunks.append(current)
-            current = []
-        current.append(u)
-    if current:
-        chunks.append(current)
-    for i, chunk in enumerate(chunks, start=1):
-        print(f"[{job_name}] run {i}/{len(chunks)}: {len(chunk)} users ({chunk[0]} .. {chunk[-1]})", flush=True)
-        result = job.execute_in_process(
-            instance=instance,
-            tags={"dagster/asset_partition_range_start": chunk[0], "dagster/asset_partition_range_end": chunk[-1]},
-            raise_on_error=True,
-        )
-        run_ids.append(result.run_id)
-    return run_ids
-
-
-def _print_summary(defs) -> dict:
-    pipeline = defs.resources["pipeline"]
-    counts = pipeline.warehouse().counts()
-    print("\nwarehouse:", pipeline.warehouse().path)
-    print(f"  {'table':<24}{'rows':>10}")
-    for t, n in counts.items():
-        print(f"  {t:<24}{n:>10}")
-    return counts
-
-
-def cmd_pipeline(args: argparse.Namespace, job_name: str) -> int:
-    _apply_common(args)
-    instance = _instance()
-    defs = _defs()
-    users = register_users(instance, defs)
-    if not users:
-        print("no valid users found in the archive", file=sys.stderr)
-        return 1
-    per_run = args.users_per_run or int(os.environ.get("QUMEM_USERS_PER_RUN", "50"))
-    print(f"{len(users)} users in {defs.resources['pipeline'].archive_path}")
-    run_ids = run_job(instance, defs, job_name, users, per_run)
-    counts = _print_summary(defs)
-    if args.json:
-        print(json.dumps({"users": len(users), "runs": run_ids, "warehouse": counts}))
-    return 0
-
-
-def cmd_forget(args: argparse.Namespace) -> int:
-    from qumem_pipeline.contracts.ids import InvalidUserId, validate_user_id
-
-    _apply_common(args)
-    try:
-        validate_user_id(args.user_id)
-    except InvalidUserId as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    instance = _instance()
-    result = _defs().resolve_job_def("forget_user_job").execute_in_process(
-        instance=instance, run_config={"ops": {"forget_user_op": {"config": {"user_id": args.user_id}}}}
-    )
-    print(f"forgot {args.user_id}" if result.success else f"forget failed for {args.user_id}")
-    return 0 if result.success else 1
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    _apply_common(args)
-    defs = _defs()
-    out = Path(args.out).resolve()
-    written = defs.resources["pipeline"].warehouse().export_parquet(out)
-    for t, p in written.items():
-        print(f"{t:<24}{p}")
-    if args.json:
-        print(json.dumps(written))
-    return 0
-
-
-def cmd_users(args: argparse.Namespace) -> int:
-    _apply_common(args)
-    from assets.partitions import users_partitions
-
-    instance = _instance()
-    for u in instance.get_dynamic_partitions(users_partitions.name):
-        print(u)
-    return 0
+    return call
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -238,25 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("run", help="run the main job for every user in the archive")
     common(sp)
     sp.add_argument("--users-per-run", type=int, help="users per Dagster run (default 50)")
-    sp.set_defaults(func=lambda a: cmd_pipeline(a, "main_job"))
+    sp.set_defaults(func=_dagster_command("run"))
 
     sp = sub.add_parser("ingest", help="discover users, ingest + validate turns, load the warehouse")
     common(sp)
     sp.add_argument("--users-per-run", type=int, help="users per Dagster run (default 50)")
-    sp.set_defaults(func=lambda a: cmd_pipeline(a, "ingest_job"))
+    sp.set_defaults(func=_dagster_command("ingest"))
 
     sp = sub.add_parser("forget", help="delete a user from every table, index and the warehouse")
     sp.add_argument("user_id")
     common(sp, archive=False)
-    sp.set_defaults(func=cmd_forget)
+    sp.set_defaults(func=_dagster_command("forget"))
 
     sp = sub.add_parser("export", help="export every warehouse table to Parquet for other warehouses")
     sp.add_argument("--out", default="export", help="output directory (default ./export)")
     common(sp, archive=False)
-    sp.set_defaults(func=cmd_export)
+    sp.set_defaults(func=_dagster_command("export"))
 
     sp = sub.add_parser("users", help="list registered user partitions")
-    sp.set_defaults(func=cmd_users)
+    sp.set_defaults(func=_dagster_command("users"))
 
     sp = sub.add_parser(
         "eval",
