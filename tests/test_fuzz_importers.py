@@ -196,14 +196,32 @@ def check_outcome(res, recs: list[Rec], line_of, source_file: str | None = None)
             assert qrow["source_file"] == source_file
         if rec.owner is not None:  # forget must be able to find a user's broken lines
             assert qrow["user_id"] == rec.owner, (rec.raw, qrow)
-    # histories: explicit turn_index in ascending order first, then the rest in source order
+    # histories: explicit turn_index in ascending order first, then the rest by time (unstamped: the
+    # next stamped turn of its conversation in source order; none: last), then source order
+    ok = [(i, r) for i, r in enumerate(recs) if r.valid]
+    when = {r.marker: _when(r.row["timestamp"]) or next(
+        (_when(x.row["timestamp"]) for j, x in ok if j > i and _when(x.row["timestamp"])
+         and (x.row["user_id"], x.row["conversation_id"]) == (r.row["user_id"], r.row["conversation_id"])), None)
+        for i, r in ok}
     for uid, df in turns.group_by("user_id"):
         assert df["turn_index"].sort().to_list() == list(range(df.height))
         order = [found_marker for found_marker in
                  (next(m for m in found if t.endswith(m)) for t in df.sort("turn_index")["text"].to_list())]
         src = {r.marker: (i, r.row["turn_index"]) for i, r in enumerate(recs) if r.valid}
-        expected = sorted(order, key=lambda m: (src[m][1] is None, src[m][1] if src[m][1] is not None else 0, src[m][0]))
+        expected = sorted(order, key=lambda m: (src[m][1] is None, src[m][1] if src[m][1] is not None else 0,
+                                                when[m] is None, when[m] or datetime.min.replace(tzinfo=timezone.utc), src[m][0]))
         assert order == expected, uid
+
+
+def _when(ts: str | None) -> datetime | None:
+    """The test's own reading of VALID_TIMESTAMPS (naive = UTC, bare number = epoch seconds)."""
+    if ts is None:
+        return None
+    try:
+        return datetime.fromtimestamp(float(ts), timezone.utc)
+    except ValueError:
+        d = datetime.fromisoformat(ts)
+        return d if d.tzinfo else d.replace(tzinfo=timezone.utc)
 
 
 # ---------------------------------------------------------------- canonical JSONL / Parquet

@@ -221,10 +221,20 @@ def _failure_rows(failures: list[ParseFailure]) -> pl.DataFrame:
     )
 
 
+def _order_time(good: pl.DataFrame) -> pl.Expr:
+    """When a turn without turn_index counts as said, for ordering: its timestamp; unstamped, the
+    timestamp of the next stamped turn of its conversation in source order (it was said no later);
+    null, so last in the history, when no stamped turn follows it in its conversation."""
+    if not good.select((pl.col("turn_index").is_null() & pl.col("_ts").is_null()).any()).item():
+        return pl.col("_ts")
+    return pl.col("_ts").backward_fill().over(["user_id", "conversation_id"], order_by=["source_file", "source_row", "_pos"])
+
+
 def _finalise_turns(good: pl.DataFrame) -> pl.DataFrame:
-    """Order each user's history (explicit turn_index first, then source order) and number it 0..N-1."""
+    """Order each user's history and number it 0..N-1: explicit turn_index first; turns without one
+    by time (``_order_time``), then source order (file, row)."""
     order = good.select(
-        pl.arg_sort_by(["user_id", "turn_index", "source_file", "source_row", "_pos"], nulls_last=True)
+        pl.arg_sort_by(["user_id", "turn_index", _order_time(good), "source_file", "source_row", "_pos"], nulls_last=True)
     ).to_series()
     # Archives written user by user are already in this order: then skip the gather (a copy of every text).
     in_order = good.height == 0 or (order == pl.int_range(0, good.height, dtype=order.dtype, eager=True)).all()

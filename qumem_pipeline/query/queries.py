@@ -1,7 +1,8 @@
 """Personalization query input: a JSONL/Parquet table validated like the turn table.
 
 Each query names a user and a point in time (as_of timestamp, or as_of_turn position); that
-point becomes `as_of_position`, the latest turn whose evidence the answer may use.
+point becomes `as_of_position`, the latest turn whose evidence the answer may use, chosen so that
+every turn up to it is at or before the query's time (see ``as_of_position``).
 """
 
 import json
@@ -105,9 +106,16 @@ def _check(rec: dict) -> tuple[str, str] | None:
 def as_of_position(turns: pl.DataFrame, as_of: datetime | None, as_of_turn: int | None) -> int:
     """The last turn_index the query may draw evidence from (inclusive); -1 when none.
 
-    as_of_turn wins when given. With a timestamp, it is the last turn stamped at or before it:
-    trailing turns with no timestamp are treated as not yet known (never future evidence). With
-    neither, the end of the history.
+    as_of_turn wins when given: it is a position already. With neither, the end of the history.
+    With a timestamp t, the answer may use exactly the turns that are *known by t*: a stamped turn
+    when its timestamp is <= t; an unstamped one once a stamped turn after it in the history is
+    <= t (bounded by stamped neighbours; trailing unstamped turns are never known by a timestamp).
+    Every consumer filters by position (unit position = its latest evidence turn), so the result
+    is the longest history prefix whose turns are all known by t: then a memory visible at
+    ``as_of_position`` cites only turns known by t, whatever the archive's order. When turn
+    timestamps follow history order (ingest orders turns without turn_index by time), this is the
+    last turn stamped <= t; an explicit turn_index order that contradicts the timestamps ends the
+    prefix at the first turn stamped after t (conservative: nothing later leaks in).
     """
     if as_of_turn is not None:
         return int(as_of_turn)
@@ -117,8 +125,13 @@ def as_of_position(turns: pl.DataFrame, as_of: datetime | None, as_of_turn: int 
         return int(turns["turn_index"].max())
     if as_of.tzinfo is None:
         as_of = as_of.replace(tzinfo=timezone.utc)
-    ok = turns.filter(pl.col("timestamp").is_not_null() & (pl.col("timestamp") <= as_of))
-    return int(ok["turn_index"].max()) if ok.height else -1
+    ordered = turns.select("turn_index", "timestamp").sort("turn_index")
+    known_by = ordered["timestamp"].backward_fill()  # the next stamped turn at or after each turn
+    hidden = (~(known_by <= as_of).fill_null(False)).arg_true()
+    if hidden.len() == 0:
+        return int(ordered["turn_index"][-1])
+    first = int(hidden[0])
+    return int(ordered["turn_index"][first - 1]) if first else -1
 
 
 def to_queries(valid: pl.DataFrame, turns_by_user: dict[str, pl.DataFrame]) -> list[Query]:
