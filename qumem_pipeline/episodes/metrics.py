@@ -17,6 +17,14 @@ and ``i + k`` — identical to segeval's mass-based definition.
 - Dialogue scores are averaged with equal weight per dialogue (macro), as in published TIAGE tables.
 - Boundary F1: exact-position boundary matches, micro-averaged (TP/FP/FN summed over all gaps of all
   dialogues). With no reference and no predicted boundary at all, F1 is defined as 1.0.
+
+Why not call nltk: ``pk`` / ``windowdiff`` here equal nltk's exactly for every k nltk accepts
+(tests/test_segeval_nltk.py, 400 random segmentations), and what this module adds is exactly what
+nltk leaves to the caller: the per-dialogue k rule above (nltk's default k comes from the gap
+string and boundary count, with no floor of 2), clipping k for short dialogues (nltk's windowdiff
+refuses k > gaps), the macro average with skipped one-utterance dialogues, and boundary F1 (none in
+nltk). Keeping the two window functions (a dozen lines) keeps nltk out of the product's run-time
+dependencies; it is a test dependency only.
 """
 
 from __future__ import annotations

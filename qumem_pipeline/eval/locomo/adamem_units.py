@@ -1,4 +1,4 @@
-"""Side-by-side retrieval strategies for the LoCoMo harness (``eval_locomo --strategies``).
+"""Side-by-side retrieval strategies for the LoCoMo harness (``qumem eval locomo --strategies``).
 
 Each strategy turns a question into a ranked list of evaluation units; the harness spends the same
 word budgets on every list, so recall is compared at equal budget.
