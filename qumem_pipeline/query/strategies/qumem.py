@@ -23,7 +23,7 @@ import polars as pl
 
 from qumem_pipeline.memories.decompose import MEMORY_TYPES
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 STRATEGIES = ("qumem", "topk", "adamem")
 MAX_NEEDS = 3
@@ -211,7 +211,7 @@ STATE_SCHEMA = pl.Schema(
 )
 QUERY_QUARANTINE_SCHEMA = pl.Schema(
     {"query_id": pl.String, "user_id": pl.String, "stage": pl.String, "reason": pl.String, "raw": pl.String,
-     "prompt_version": pl.String, "created_at": pl.Datetime("us", "UTC")}
+     "prompt_version": pl.String, "code_version": pl.String, "created_at": pl.Datetime("us", "UTC")}
 )
 
 
@@ -479,11 +479,12 @@ def infer_user_states(
             "candidates": [{"memory_id": c.memory_id, "type": c.type, "score": float(c.score), "position": int(c.position)} for c in candidates[i]],
             "state": json.dumps(states[i]), "cited_memory_ids": cited[i], "cited_turn_ids": turn_ids,
             "dropped_citations": dropped[i], "response": responses[i], "model": llm.model_name,
-            "prompt_version": QUERY_PROMPT_VERSION, "code_version": CODE_VERSION,
+            "prompt_version": QUERY_PROMPT_VERSION, "code_version": stage_version("query_states"),
             "prompt_tokens": tokens[i][0], "completion_tokens": tokens[i][1], "created_at": created_at,
         })
     states_df = pl.DataFrame(rows, schema=STATE_SCHEMA) if rows else STATE_SCHEMA.to_frame()
     q_df = pl.DataFrame(quarantine, schema=QUERY_QUARANTINE_SCHEMA) if quarantine else QUERY_QUARANTINE_SCHEMA.to_frame()
+    q_df = q_df.with_columns(code_version=pl.lit(stage_version("query_states"), pl.String))
     stats = {
         "queries": n, "states": states_df.height, "quarantined": q_df.height,
         "plans_repaired": sum(1 for r in repaired if r), "dropped_citations": sum(dropped),

@@ -31,7 +31,7 @@ from qumem_pipeline.query.strategies.qumem import (
     A3_SCHEMA, QUERY_QUARANTINE_SCHEMA, STATE_SCHEMA, Query, RetrievedMemory, StateOutput, answer_queries,
     _generate_with_retry, _render_candidates, _resolve_citations, _user_msg,
 )
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 MAX_ITERATIONS = 2
 RESEARCH_MAX_TOKENS, WORKING_MAX_TOKENS = 800, 160
@@ -183,11 +183,12 @@ def infer_adamem_states(
             "state": json.dumps(state), "cited_memory_ids": cited,
             "cited_turn_ids": sorted({t for m in cited for t in by_id[m].evidence_turn_ids}),
             "dropped_citations": dropped, "response": responses[i], "model": llm.model_name,
-            "prompt_version": ADAMEM_PROMPT_VERSION, "code_version": CODE_VERSION,
+            "prompt_version": ADAMEM_PROMPT_VERSION, "code_version": stage_version("query_states"),
             "prompt_tokens": tokens[i][0], "completion_tokens": tokens[i][1], "created_at": created_at,
         })
     states_df = pl.DataFrame(rows, schema=STATE_SCHEMA) if rows else STATE_SCHEMA.to_frame()
     q_df = pl.DataFrame(quarantine, schema=QUERY_QUARANTINE_SCHEMA) if quarantine else QUERY_QUARANTINE_SCHEMA.to_frame()
+    q_df = q_df.with_columns(code_version=pl.lit(stage_version("query_states"), pl.String))
     stats = {"queries": n, "states": states_df.height, "quarantined": q_df.height,
              "research_iterations_2": sum(1 for s in searches if len(s) > 1),
              "dropped_citations": sum(r[2] for r in resolved if r), "mean_candidates": (sum(map(len, candidates)) / n) if n else 0.0,
