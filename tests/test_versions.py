@@ -117,3 +117,15 @@ def test_row_version_equals_the_asset_code_version():
     assert len(set(by_asset.values())) == len(STAGES)
     with pytest.raises(KeyError, match="unknown stage"):
         stage_versions.stage_version("nope")
+
+
+def test_llm_id_follows_the_environment_default_backend(monkeypatch):
+    for k in ("QUMEM_LLM_KIND", "QUMEM_LLM_MODEL", "QUMEM_LLM_BASE_URL", "QUMEM_ENV"):
+        monkeypatch.delenv(k, raising=False)
+    assert stage_versions.llm_model_id().startswith("local:SmolLM2")
+    monkeypatch.setenv("QUMEM_ENV", "production")  # production's resources default to the openai backend
+    monkeypatch.setenv("QUMEM_LLM_BASE_URL", "http://vllm-a:8000/v1")
+    a = stage_versions.stage_version("memories")
+    assert stage_versions.llm_model_id() == "openai:served-by:http://vllm-a:8000/v1"
+    monkeypatch.setenv("QUMEM_LLM_BASE_URL", "http://vllm-b:8000/v1")
+    assert stage_versions.stage_version("memories") != a
