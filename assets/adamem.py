@@ -14,6 +14,7 @@ from assets.retrieval import memory_embeddings
 from qumem_pipeline.query.strategies.adamem.graph import EDGE_TYPES, build_memory_graph, dangling_edges
 from qumem_pipeline.contracts.checks import CheckOutcome
 from qumem_pipeline.query.strategies.adamem.profiles import PROFILE_PROMPT_VERSION, build_profiles, uncited_profiles, vectors_for
+from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
 from resources.models import EmbedderResource, LLMResource
 
@@ -31,7 +32,7 @@ def graph_endpoints_exist(nodes: pl.DataFrame, edges: pl.DataFrame) -> CheckOutc
     backfill_policy=user_backfill_policy,
     deps=[memories, memory_embeddings],
     pool="gpu",
-    code_version=PROFILE_PROMPT_VERSION,
+    code_version=code_version("persona_profiles"),  # source + prompt + LLM + embedder + upstream
     group_name="adamem",
     kinds={"parquet"},
     description="Persona profiles: topic/aspect summaries of each user's preference and insight memories "
@@ -57,7 +58,8 @@ def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig
         check_results=[check_result("profiles_cite_existing_memories", outcome)],
         metadata={"users": len(users), "dagster/row_count": profiles.height, "llm_merges": merged,
                   "fallbacks": profiles.filter(pl.col("merged_by").str.starts_with("fallback")).height,
-                  "prompt_version": PROFILE_PROMPT_VERSION, "seconds": round(time.perf_counter() - t0, 3)},
+                  "prompt_version": PROFILE_PROMPT_VERSION, "seconds": round(time.perf_counter() - t0, 3),
+                  **version_metadata("persona_profiles")},
     )
 
 
@@ -65,7 +67,7 @@ def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig
     partitions_def=users_partitions,
     backfill_policy=user_backfill_policy,
     deps=[turns, episodes, memories, persona_profiles],
-    code_version="memory-graph-v1",
+    code_version=code_version("memory_graph"),
     group_name="adamem",
     kinds={"parquet"},
     description="Per-user memory graph (turns, episodes, memories, topics, entities, profile entries; typed "
@@ -92,5 +94,5 @@ def memory_graph(context: dg.AssetExecutionContext, pipeline: PipelineConfig) ->
         check_results=[check_result("edge_endpoints_exist", graph_endpoints_exist(nodes, edges))],
         metadata={"users": len(users), "nodes": nodes.height, "dagster/row_count": edges.height,
                   "edges_by_type": dg.MetadataValue.json({t: by_type.get(t, 0) for t in EDGE_TYPES}),
-                  "seconds": round(time.perf_counter() - t0, 3)},
+                  "seconds": round(time.perf_counter() - t0, 3), **version_metadata("memory_graph")},
     )

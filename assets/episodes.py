@@ -9,11 +9,11 @@ from assets.partitions import run_user_ids, user_backfill_policy, users_partitio
 from assets.progress import ProgressLogger
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.episodes.segmentation import EPISODE_SCHEMA, build_episodes_for_users
-from qumem_pipeline.contracts.stage_versions import stage_code_versions
+from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
 from resources.models import ContinuityClassifierResource
 
-EPISODES_CODE_VERSION = stage_code_versions()["episodes"]  # names the classifier artifact
+EPISODES_CODE_VERSION = code_version("episodes")  # source + classifier artifact + upstream
 
 
 @dg.asset(
@@ -76,6 +76,7 @@ def episodes(
             "mean_turns_per_episode": round(sum(sizes) / len(sizes), 2) if sizes else 0.0,
             "pairs_per_s": round(stats.decisions / classify_s, 1) if classify_s > 0 else 0.0,
             "classifier_version": model.version,
+            **version_metadata("episodes"),
             "device": str(model.device),
             "seconds": round(time.perf_counter() - t0, 3),
         }

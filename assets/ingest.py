@@ -9,14 +9,14 @@ from qumem_pipeline.contracts import checks
 from qumem_pipeline.ingest.incremental import recorded_form
 from qumem_pipeline.ingest.archive import load_archive, write_unattributed_quarantine, write_users
 from qumem_pipeline.ingest.validate import TURN_POLARS_SCHEMA
-from qumem_pipeline.contracts.versions import TURN_SCHEMA_VERSION
+from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
 
 
 @dg.asset(
     partitions_def=users_partitions,
     backfill_policy=user_backfill_policy,
-    code_version=TURN_SCHEMA_VERSION,
+    code_version=code_version("turns"),
     group_name="ingest",
     kinds={"parquet", "polars"},
     description="Canonical, validated turn table per user (+ quarantine and content fingerprint).",
@@ -56,5 +56,6 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
             # every user of the run: the nightly schedule compares these with the archive (assets/schedules.py)
             "fingerprints": dg.MetadataValue.json({u: recorded_form(s["fingerprint"]) for u, s in stats.items()}),
             "seconds": round(time.perf_counter() - t0, 3),
+            **version_metadata("turns"),
         }
     )

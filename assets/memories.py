@@ -11,7 +11,7 @@ from assets.progress import ProgressLogger
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.memories.decompose import PROMPT_VERSION, decompose_episodes
-from qumem_pipeline.contracts.stage_versions import stage_code_versions
+from assets.versions import code_version, version_metadata
 from qumem_pipeline.memories.checkpoints import CheckpointStore
 from qumem_pipeline.llm.base import LLMError
 from resources import PipelineConfig
@@ -40,7 +40,7 @@ def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
     backfill_policy=user_backfill_policy,
     deps=[episodes],
     pool="gpu",
-    code_version=stage_code_versions()["memories"],  # prompt + LLM model id
+    code_version=code_version("memories"),  # source + prompt + LLM model id + upstream
     group_name="memories",
     kinds={"parquet"},
     description="Typed memories (fact / preference / insight) per episode, with evidence turn ids, "
@@ -110,6 +110,7 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
             "model": llm.backend.model_name,
             "backend": llm.backend.backend_name,
             "prompt_version": PROMPT_VERSION,
+            **version_metadata("memories"),
             "seconds": round(time.perf_counter() - t0, 3),
         }
     )

@@ -15,7 +15,7 @@ from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever, Us
 from qumem_pipeline.query.queries import read_queries, to_queries
 from qumem_pipeline.query.strategies.registry import get_strategy
 from qumem_pipeline.query.retrieval import TypedMemoryRetriever
-from qumem_pipeline.contracts.stage_versions import stage_code_versions
+from assets.versions import code_version, version_metadata
 from qumem_pipeline.index.vector_store import VectorStore
 from resources import PipelineConfig
 from resources.models import EmbedderResource, LLMResource
@@ -44,7 +44,7 @@ def adamem_retriever(layout, users, turns_by_user, mems, embedder):
     backfill_policy=user_backfill_policy,
     deps=[memory_indexes, turns, memory_graph],
     pool="gpu",
-    code_version=stage_code_versions()["query_states"],  # prompts + LLM + embedder
+    code_version=code_version("query_states"),  # source + prompts + LLM + embedder + upstream
     group_name="personalization",
     kinds={"parquet"},
     description="Query-conditioned user states Z_q for the run's personalization queries "
@@ -93,6 +93,6 @@ def query_states(
             "queries": len(queries), "dagster/row_count": out.states.height, "strategy": pipeline.query_strategy,
             "input_rows_quarantined": bad.height, **{k: v for k, v in out.stats.items() if isinstance(v, (int, float))},
             "model": llm.backend.model_name, "prompt_version": strategy.version,
-            "seconds": round(time.perf_counter() - t0, 3),
+            "seconds": round(time.perf_counter() - t0, 3), **version_metadata("query_states"),
         },
     )

@@ -8,7 +8,7 @@ from assets.partitions import run_user_ids, user_backfill_policy, users_partitio
 from assets.progress import ProgressLogger
 from qumem_pipeline.index import vector_store as vector_index
 from qumem_pipeline.index.embeddings import embed_memories
-from qumem_pipeline.contracts.stage_versions import stage_code_versions
+from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
 from resources.models import EmbedderResource
 
@@ -18,7 +18,7 @@ from resources.models import EmbedderResource
     backfill_policy=user_backfill_policy,
     deps=[memories],
     pool="gpu",
-    code_version=stage_code_versions()["memory_embeddings"],  # names the embedder
+    code_version=code_version("memory_embeddings"),  # source + embedder + upstream
     group_name="retrieval",
     kinds={"pytorch", "parquet"},
     description="Memory embeddings (all-MiniLM-L6-v2, normalised float32); unchanged memories are reused, "
@@ -35,11 +35,13 @@ def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfi
     previous = layout.read_table("memory_embeddings", users)
     emb = embed_memories(mems, embedder.model, previous=previous, batch_size=embedder.batch_size,
                          progress=ProgressLogger(context.log, "memories embedded"))
+    emb = emb.with_columns(code_version=pl.lit(code_version("memory_embeddings"), pl.String))
     for u in users:
         layout.write_user_table("memory_embeddings", u, emb.filter(pl.col("user_id") == u))
     return dg.MaterializeResult(metadata={
         "users": len(users), "dagster/row_count": emb.height, "embedding_model": embedder.model.version,
         "device": str(embedder.model.device), "seconds": round(time.perf_counter() - t0, 3),
+        **version_metadata("memory_embeddings"),
     })
 
 
@@ -48,7 +50,7 @@ def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfi
     backfill_policy=user_backfill_policy,
     deps=[memory_embeddings],
     pool="gpu",
-    code_version=stage_code_versions()["memory_indexes"],
+    code_version=code_version("memory_indexes"),
     group_name="retrieval",
     kinds={"faiss"},
     description="Per-user, per-type FAISS indexes (IndexIDMap2 over exact inner product) + id map.",
@@ -68,4 +70,5 @@ def memory_indexes(context: dg.AssetExecutionContext, pipeline: PipelineConfig) 
     return dg.MaterializeResult(metadata={
         "users": len(users), "vectors": sum(sum(v.values()) for v in sizes.values()),
         "built_on": ",".join(sorted(built_on)), "seconds": round(time.perf_counter() - t0, 3),
+        **version_metadata("memory_indexes"),
     })

@@ -10,6 +10,7 @@ from assets.query_states import query_states
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.storage.warehouse import WAREHOUSE_TABLES
+from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
 
 # Upstream assets whose tables the warehouse mirrors; stages append theirs in definitions.
@@ -21,6 +22,7 @@ WAREHOUSE_UPSTREAMS = [turns, episodes, memories, query_states, persona_profiles
     backfill_policy=user_backfill_policy,
     deps=WAREHOUSE_UPSTREAMS,
     pool="warehouse",
+    code_version=code_version("warehouse"),
     group_name="warehouse",
     kinds={"duckdb"},
     description="DuckDB warehouse: one table per stage, the run's users replaced in one transaction each.",
@@ -38,5 +40,6 @@ def warehouse(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg
             "rows_for_run_users": dg.MetadataValue.json(loaded),
             "warehouse_path": str(wh.path),
             "seconds": round(time.perf_counter() - t0, 3),
+            **version_metadata("warehouse"),
         }
     )

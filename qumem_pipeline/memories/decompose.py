@@ -26,7 +26,7 @@ import polars as pl
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
 from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 MEMORY_TYPES = ("fact", "preference", "insight")
 
@@ -171,6 +171,7 @@ LEDGER_SCHEMA = pl.Schema(
         "backend": pl.String,
         "model": pl.String,
         "prompt_version": pl.String,
+        "code_version": pl.String,
         "created_at": pl.Datetime("us", "UTC"),
     }
 )
@@ -407,7 +408,7 @@ def decompose_episodes(
     max_tokens: int = 512,
     types: Sequence[str] = MEMORY_TYPES,
     prompt_version: str = PROMPT_VERSION,
-    code_version: str = CODE_VERSION,
+    code_version: str | None = None,  # None: this code's memories stage version
     checkpoint: CheckpointStore | None = None,
     batch_episodes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -462,7 +463,7 @@ def decompose_episodes(
             progress(min(start + per_batch, len(todo)), len(todo))
         fault_point("decompose.batch")
 
-    return _assemble(eps, keys, outcomes, stats, code_version=code_version)
+    return _assemble(eps, keys, outcomes, stats, code_version=code_version or stage_version("memories"))
 
 
 class _CallRunner:
@@ -567,7 +568,7 @@ def _assemble(eps: list[Episode], keys: list[str], outcomes: dict[str, CallOutco
     ledger: list[dict[str, Any]] = []
     for k in keys:
         o = outcomes[k]
-        ledger.extend({**row, "created_at": o.created_at} for row in o.ledger)
+        ledger.extend({**row, "code_version": code_version, "created_at": o.created_at} for row in o.ledger)
         stats.calls += len(o.ledger)
         stats.retries += sum(1 for row in o.ledger if row["status"] == "retried")
         if o.status == "ok":

@@ -19,6 +19,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import polars as pl
 
+from qumem_pipeline.contracts.stage_versions import stage_version
+
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 
@@ -79,7 +81,7 @@ STATE_SCHEMA = pl.Schema(
 )
 QUERY_QUARANTINE_SCHEMA = pl.Schema(
     {"query_id": pl.String, "user_id": pl.String, "stage": pl.String, "reason": pl.String, "raw": pl.String,
-     "prompt_version": pl.String, "created_at": pl.Datetime("us", "UTC")}
+     "prompt_version": pl.String, "code_version": pl.String, "created_at": pl.Datetime("us", "UTC")}
 )
 
 _ID_LIST = {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}
@@ -270,7 +272,7 @@ def cited_turns(cited: list[str], by_id: dict[str, RetrievedMemory]) -> list[int
 def output_frames(rows: list[dict], quarantine: list[dict]) -> tuple[pl.DataFrame, pl.DataFrame]:
     states = pl.DataFrame(rows, schema=STATE_SCHEMA) if rows else STATE_SCHEMA.to_frame()
     q = pl.DataFrame(quarantine, schema=QUERY_QUARANTINE_SCHEMA) if quarantine else QUERY_QUARANTINE_SCHEMA.to_frame()
-    return states, q
+    return states, q.with_columns(code_version=pl.lit(stage_version("query_states"), pl.String))
 
 
 def quarantine_row(q: Query, stage: str, r: ChatResult, prompt_version: str, created_at: datetime) -> dict:

@@ -23,6 +23,7 @@ import polars as pl
 
 from qumem_pipeline.query.strategies.adamem.participants import OTHER, USER, turn_owner
 from qumem_pipeline.query.strategies.adamem.text import entities, tokens
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 EDGE_TYPES = ("supports", "in-episode", "same-topic", "mentions-entity", "next-episode", "summarises")
 NODE_TYPES = ("turn", "episode", "memory", "topic", "entity", "profile")
@@ -137,7 +138,8 @@ def build_memory_graph(user_id: str, turns: pl.DataFrame, episodes: pl.DataFrame
     node_df = pl.DataFrame(list(nodes.values()), schema=NODE_SCHEMA).sort("node_id")
     edge_df = pl.DataFrame([{"user_id": user_id, "src": s, "dst": d, "edge_type": t} for s, d, t in sorted(edges)],
                            schema=EDGE_SCHEMA)
-    return node_df, edge_df
+    version = pl.lit(stage_version("memory_graph"), pl.String)  # which code built the graph, on every row
+    return node_df.with_columns(code_version=version), edge_df.with_columns(code_version=version)
 
 
 def dangling_edges(nodes: pl.DataFrame, edges: pl.DataFrame) -> pl.DataFrame:

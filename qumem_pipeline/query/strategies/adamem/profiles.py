@@ -21,7 +21,7 @@ import polars as pl
 
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 
 PROFILE_TYPES = ("preference", "insight")
 SIMILARITY = 0.75
@@ -132,7 +132,7 @@ def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: 
             "aspect": aspect, "summary": summary, "memory_ids": ids, "types": sorted({x["type"] for x in g}),
             "position": int(latest["position"]), "merged_by": how,
             "model": llm.model_name if (r is not None or pids[gi] in reuse) else None, "prompt_version": PROFILE_PROMPT_VERSION,
-            "code_version": CODE_VERSION, "created_at": created_at,
+            "code_version": stage_version("persona_profiles"), "created_at": created_at,
         })
     return pl.DataFrame(out, schema=PROFILE_SCHEMA) if out else PROFILE_SCHEMA.to_frame()
 
