@@ -19,7 +19,6 @@ from typing import Any, Callable, Protocol, Sequence
 
 import polars as pl
 
-from qumem_pipeline.contracts.versions import CODE_VERSION
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 
@@ -269,9 +268,7 @@ def cited_turns(cited: list[str], by_id: dict[str, RetrievedMemory]) -> list[int
 
 
 def output_frames(rows: list[dict], quarantine: list[dict]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(states, quarantine) frames; every state row is stamped here, the one place, with the code version."""
     states = pl.DataFrame(rows, schema=STATE_SCHEMA) if rows else STATE_SCHEMA.to_frame()
-    states = states.with_columns(code_version=pl.lit(CODE_VERSION, pl.String))
     q = pl.DataFrame(quarantine, schema=QUERY_QUARANTINE_SCHEMA) if quarantine else QUERY_QUARANTINE_SCHEMA.to_frame()
     return states, q
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Sequence
 
+from qumem_pipeline.contracts.versions import CODE_VERSION
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.query.strategies.agents import (
@@ -92,7 +93,7 @@ def infer_from_plans(
             "candidates": candidate_structs(candidates[i]),
             "state": json.dumps(states[i]), "cited_memory_ids": cited[i], "cited_turn_ids": cited_turns(cited[i], by_id),
             "dropped_citations": dropped[i], "response": responses[i], "model": llm.model_name,
-            "prompt_version": QUERY_PROMPT_VERSION,
+            "prompt_version": QUERY_PROMPT_VERSION, "code_version": CODE_VERSION,
             "prompt_tokens": tokens.per_query[i][0], "completion_tokens": tokens.per_query[i][1], "created_at": created_at,
         })
     states_df, q_df = output_frames(rows, quarantine)

@@ -21,6 +21,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
+from qumem_pipeline.contracts.versions import CODE_VERSION
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.query.strategies.adamem.participants import resolve
@@ -152,7 +153,7 @@ def infer_adamem_states(
             "candidates": candidate_structs(candidates[i]),
             "state": json.dumps(state), "cited_memory_ids": cited, "cited_turn_ids": cited_turns(cited, by_id),
             "dropped_citations": dropped, "response": responses[i], "model": llm.model_name,
-            "prompt_version": ADAMEM_PROMPT_VERSION,
+            "prompt_version": ADAMEM_PROMPT_VERSION, "code_version": CODE_VERSION,
             "prompt_tokens": tokens.per_query[i][0], "completion_tokens": tokens.per_query[i][1], "created_at": created_at,
         })
     states_df, q_df = output_frames(rows, quarantine)
