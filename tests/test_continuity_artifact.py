@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qumem_pipeline.episodes.continuity import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
-from qumem_pipeline.episodes.continuity.lora import LoRALinear
+from peft.tuners.lora import LoraLayer  # the adapter layer (continuity/lora.py is peft-based)
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
 
 PREV = "i just adopted a puppy , she is a golden retriever ."
@@ -38,7 +38,7 @@ def test_loads_offline_and_is_merged(clf):
     assert clf.config["weights_version"] != clf.version  # the version covers weights + decision rule
     assert clf.rule.threshold == clf.threshold == clf.config["decision"]["threshold"]
     assert 0.0 < clf.threshold < 1.0
-    assert not any(isinstance(m, LoRALinear) for m in clf.net.modules())
+    assert not any(isinstance(m, LoraLayer) for m in clf.net.modules())
 
 
 def test_sane_probabilities(clf):

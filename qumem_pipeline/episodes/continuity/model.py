@@ -1,6 +1,6 @@
 """The continuity network: MiniLM cross-encoder ``[CLS] a [SEP] b [SEP]`` + a small head.
 
-Output: one logit of P(same event | a, b). Trainable parts: LoRA adapters (see :mod:`.lora`), the
+Output: one logit of P(same event | a, b). Trainable parts: LoRA adapters (peft, see :mod:`.lora`), the
 token-type embedding table (2 x 384; the base model was trained on single sentences only) and the
 head. Everything else stays frozen at the shipped base weights.
 """
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from qumem_pipeline.episodes.continuity.base import load_base_model
-from qumem_pipeline.episodes.continuity.lora import TARGETS_ALL, inject_lora, lora_state_dict, merge_lora
+from qumem_pipeline.episodes.continuity.lora import TARGETS_ALL, inject_lora, lora_state_dict, merge_lora, peft_key
 
 
 @dataclass
@@ -107,7 +107,8 @@ class ContinuityNet(nn.Module):
         return {k: v.contiguous() for k, v in sd.items()}
 
     def load_trainable_state(self, sd: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.load_state_dict(sd, strict=False)
+        """Load an artifact's state (adapter keys as ``...lora_A``; peft's parameter names are mapped)."""
+        missing, unexpected = self.load_state_dict({peft_key(k): v for k, v in sd.items()}, strict=False)
         if unexpected:
             raise ValueError(f"unexpected keys in adapter state: {unexpected[:5]}")
         want = set(self.trainable_state())

@@ -91,6 +91,15 @@ def evaluate_strategies(conv: Conversation, items: list[QAItem], q_vecs: np.ndar
     tally.unit_stats["strategies"]["seconds_embedding"] += time.perf_counter() - te
 
 
+def _evaluate_one(conv, items, qv, kinds, sources: UnitSources, emb, tally: Tally, budgets, min_cover_fraction,
+                  batch_size) -> None:
+    """Units, then strategies, of one conversation with QA items."""
+    evaluate_conversation(conv, items, qv, kinds, emb, tally, budgets=budgets,
+                          min_cover_fraction=min_cover_fraction, batch_size=batch_size)
+    if sources.run_strategies:
+        evaluate_strategies(conv, items, qv, sources, emb, tally, budgets=budgets, min_cover_fraction=min_cover_fraction)
+
+
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -148,15 +157,10 @@ def run_eval(
         items = items_by_conv[conv.sample_id]
         qv = q_all[offset : offset + len(items)]
         offset += len(items)
-        if not items:
-            continue
-        evaluate_conversation(conv, items, qv, kinds, emb, tally, budgets=budgets,
-                              min_cover_fraction=min_cover_fraction, batch_size=batch_size)
-        if sources.run_strategies:
-            evaluate_strategies(conv, items, qv, sources, emb, tally, budgets=budgets,
-                                min_cover_fraction=min_cover_fraction)
-        log(f"[locomo] {conv.sample_id}: {len(items)} items, {len(kinds)} unit kinds done "
-            f"({time.perf_counter() - t0:.0f}s)")
+        if items:
+            _evaluate_one(conv, items, qv, kinds, sources, emb, tally, budgets, min_cover_fraction, batch_size)
+            log(f"[locomo] {conv.sample_id}: {len(items)} items, {len(kinds)} unit kinds done "
+                f"({time.perf_counter() - t0:.0f}s)")
     settings = RunSettings(str(path), budgets, units, window_sizes, unit_scoring, strategies,
                            min_cover_fraction, speaker_prefix)
     report = build_report(tally, settings, convs, items_by_conv, sources, skipped, slice_info=data.slice_info,
