@@ -53,10 +53,17 @@ def test_classifier_artifact_change_touches_only_episodes(tmp_path, monkeypatch)
 def test_prompt_and_embedder_changes(monkeypatch):
     import qumem_pipeline.memories.decompose as decompose
 
+    # A prompt edit is a source edit: the module that holds the prompts and derives PROMPT_VERSION
+    # from them is hashed into the stage's version (tests/test_versions.py edits a copy and sees it move).
+    from pathlib import Path
+
+    from qumem_pipeline.query.strategies import agents
+    from qumem_pipeline.query.strategies.adamem import profiles
+
+    assert Path(decompose.__file__).resolve() in {p.resolve() for p in stage_versions.stage_modules("memories")}
+    assert Path(agents.__file__).resolve() in {p.resolve() for p in stage_versions.stage_modules("query_states")}
+    assert Path(profiles.__file__).resolve() in {p.resolve() for p in stage_versions.stage_modules("persona_profiles")}
     before = _versions()
-    monkeypatch.setattr(decompose, "PROMPT_VERSION", decompose.PROMPT_VERSION + "-edited")
-    assert _changed(before, _versions()) == {"memories"}
-    monkeypatch.undo()
     monkeypatch.setattr(stage_versions, "embedder_version", lambda: "all-MiniLM-L12-v2@other")
     assert _changed(before, _versions()) == {"memory_embeddings", "memory_indexes", "persona_profiles",
                                                        "query_states"}

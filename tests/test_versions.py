@@ -53,7 +53,7 @@ def _moved(before: dict, after: dict, kind: str) -> set[str]:
 
 
 @pytest.mark.parametrize("rel,own", [
-    ("memories/decompose.py", {"memories", "persona_profiles", "query_states"}),  # qumem.py imports decompose
+    ("memories/decompose.py", {"memories", "query_states"}),  # the strategies read MEMORY_TYPES from decompose
     ("episodes/segmentation.py", {"episodes"}),
     ("query/strategies/adamem/graph.py", {"memory_graph", "query_states"}),  # the AdaMem retriever walks the graph
     ("index/vector_store.py", {"memory_indexes", "query_states"}),

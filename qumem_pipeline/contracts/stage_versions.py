@@ -41,8 +41,7 @@ STAGE_ENTRY_MODULES: dict[str, tuple[str, ...]] = {
     "memory_indexes": ("index.vector_store",),
     "persona_profiles": ("query.strategies.adamem.profiles", "llm.factory"),
     "memory_graph": ("query.strategies.adamem.graph",),
-    "query_states": ("query.queries", "query.retrieval", "query.strategies.qumem",
-                     "query.strategies.adamem.strategy", "llm.factory"),
+    "query_states": ("query.queries", "query.retrieval", "query.strategies.registry", "llm.factory"),
     "warehouse": ("storage.warehouse",),
 }
 # Stage -> the stages whose tables it reads (the asset graph's deps; tests compare the two).
@@ -61,9 +60,6 @@ STAGES = tuple(STAGE_ENTRY_MODULES)
 # Reached by imports but never followed: this module names every stage's inputs (following it would
 # tie all stages together); the warehouse loader is imported by `forget` for erasure, not to make rows.
 _NOT_FOLLOWED = {f"{PACKAGE}.contracts.stage_versions", f"{PACKAGE}.storage.warehouse"}
-# Imports that dispatch to another stage's code at run time rather than use it: the `qumem` strategy module
-# hands `strategy="adamem"` to AdaMem (query_states lists both), which profiles, importing one qumem helper, never reach.
-_DISPATCH_IMPORTS = {(f"{PACKAGE}.query.strategies.qumem", f"{PACKAGE}.query.strategies.adamem.strategy")}
 
 
 # -- source digests ---------------------------------------------------------------------------
@@ -112,7 +108,7 @@ def stage_modules(stage: str) -> list[Path]:
         if path is None:
             continue
         seen[mod] = path
-        todo.extend(m for m in _imported_modules(path, mod) - seen.keys() if (mod, m) not in _DISPATCH_IMPORTS)
+        todo.extend(m for m in _imported_modules(path, mod) - seen.keys())
     missing = [m for m in STAGE_ENTRY_MODULES[stage] if f"{PACKAGE}.{m}" not in seen]
     if missing:
         raise RuntimeError(f"stage {stage}: entry modules {missing} not found under {PACKAGE_ROOT}")
@@ -196,20 +192,15 @@ def _stage_inputs(stage: str) -> tuple[str, ...]:
         return (TURN_SCHEMA_VERSION,)
     if stage == "episodes":
         return (classifier_version(),)
+    # Prompt texts and schemas are source of the stage's modules, so the source digest already covers
+    # them; importing the prompt-version constants here would make every stage module import this one
+    # and this one import them back (an import cycle).
     if stage == "memories":
-        from qumem_pipeline.memories.decompose import PROMPT_VERSION
-
-        return (PROMPT_VERSION, llm_model_id())
+        return (llm_model_id(),)
     if stage in ("memory_embeddings", "memory_indexes"):
         return (embedder_version(),)
-    if stage == "persona_profiles":
-        from qumem_pipeline.query.strategies.adamem.profiles import PROFILE_PROMPT_VERSION
-
-        return (PROFILE_PROMPT_VERSION, llm_model_id(), embedder_version())
-    if stage == "query_states":
-        from qumem_pipeline.query.strategies.qumem import QUERY_PROMPT_VERSION
-
-        return (QUERY_PROMPT_VERSION, llm_model_id(), embedder_version())
+    if stage in ("persona_profiles", "query_states"):
+        return (llm_model_id(), embedder_version())
     return ()
 
 
