@@ -123,25 +123,20 @@ def test_transient_faults_recover_with_identical_memories(tmp_path, baseline, fa
     assert out.ledger.filter(pl.col("episode_id") == "ana-e1")["transport_attempts"].sum() == len(hit)
 
 
-def test_429_retry_after_is_honoured_and_capped(tmp_path):
-    script = {"rules": [{"match": "wait-1", "responses": [{"status": 429, "retry_after": 1}, {"json": {"memories": []}}]},
-                        {"match": "wait-long", "responses": [{"status": 429, "retry_after": 3600}, {"json": {"memories": []}}]}]}
+def test_429_retry_after_is_capped(tmp_path):
+    # the server asks for an hour; the client waits max_retry_after_s (0.3 s) instead. Checked on the
+    # server's clock with a lower bound (it did wait) and the test finishing at all (not an hour):
+    # no upper wall-clock bound that a loaded box could break.
+    script = {"rules": [{"match": "wait-long", "responses": [{"status": 429, "retry_after": 3600}, {"json": {"memories": []}}]}]}
     from qumem_pipeline.llm import ChatRequest
 
-    def req(i, text):
-        return ChatRequest(request_id=f"r{i}", messages=[{"role": "user", "content": text}], json_schema={"type": "object"})
-
     with RunningFakeServer(script, tmp_path) as srv, backend(srv.base_url, max_retry_after_s=0.3) as be:
-        t0 = time.perf_counter()
-        a, b = be.generate([req(0, "wait-1"), req(1, "wait-long")])
-        dt = time.perf_counter() - t0
-        times = {}
-        for r in srv.requests():
-            times.setdefault(r["body"]["messages"][0]["content"], []).append(r["t"])
-    assert a.ok and b.ok and a.attempts == b.attempts == 2
-    # capped at max_retry_after_s (0.3 s), not the server's 1 s or one hour
-    assert 0.25 <= times["wait-1"][1] - times["wait-1"][0] < 0.9
-    assert 0.25 <= times["wait-long"][1] - times["wait-long"][0] < 0.9 and dt < 5
+        assert be._backoff(0, 3600.0) == 0.3  # what the wait is: the cap, not the server's hour
+        (res,) = be.generate([ChatRequest(request_id="r0", messages=[{"role": "user", "content": "wait-long"}],
+                                          json_schema={"type": "object"})])
+        times = [r["t"] for r in srv.requests()]
+    assert res.ok and res.attempts == 2 and len(times) == 2
+    assert times[1] - times[0] >= 0.25
 
 
 def test_malformed_and_schema_violating_output_is_quarantined_with_reason(tmp_path, baseline):
@@ -201,14 +196,13 @@ def test_endpoint_gone_for_good_fails_clearly_and_rerun_repeats_no_finished_call
     # the server crashes on ben's second episode and does not come back for this run
     script = {"rules": [{"match": ep_text("ben", 1), "responses": [{"exit": True}]}], "default": [{"echo_memory": True}]}
     with RunningFakeServer(script, tmp_path / "srv1", port=port) as srv1:
-        t0 = time.perf_counter()
         result = materialize_memories(data, srv1.base_url, raise_on_error=False)
-        failed_after = time.perf_counter() - t0
         answered_before = len(srv1.answered())
-    assert not result.success and failed_after < 60  # bounded retries
+    assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     msg = failure.event_specific_data.error.to_string()
     assert f"127.0.0.1:{port}" in msg and "rerun" in msg.lower() and "memory_checkpoints" in msg
+    assert "after 5 attempt(s)" in msg  # bounded retries: the first try and max_retries=4
     assert DataLayout(data).read_table("memories") is None  # nothing half-written
     assert 0 < answered_before < 3 * len(USERS) * EPISODES_PER_USER
 
