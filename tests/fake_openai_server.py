@@ -307,6 +307,9 @@ def main() -> None:
     with open(args.script, encoding="utf-8") as f:
         script = json.load(f)
     state = State(script, args.log, args.gen_log)
+    # a real server's listen backlog (uvicorn: 2048), not socketserver's 5: a client opening 64
+    # connections at once must not see resets that no production server would give it
+    ThreadingHTTPServer.request_queue_size = 1024
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"PORT {server.server_address[1]}", flush=True)

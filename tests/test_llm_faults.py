@@ -177,8 +177,7 @@ def test_server_that_dies_and_comes_back_within_the_retries(tmp_path, baseline):
     th.start()
     try:
         with backend(srv.base_url, max_retries=8, backoff_base_s=0.2, backoff_max_s=1.0) as be:
-            out = decompose_episodes(episodes, be, created_at=T0, checkpoint=CheckpointStore(tmp_path / "data"),
-                                     batch_episodes=2)
+            out = decompose_episodes(episodes, be, created_at=T0, checkpoint=CheckpointStore(tmp_path / "data"))
         th.join(timeout=60)
     finally:
         srv.stop()
@@ -229,16 +228,16 @@ def test_changed_episode_is_recomputed_not_served_from_checkpoint(tmp_path):
     store = CheckpointStore(tmp_path / "data")
     seen, again = [], []
     with RunningFakeServer({"default": [{"echo_memory": True}]}, tmp_path / "srv") as srv, backend(srv.base_url) as be:
-        decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2,
+        decompose_episodes(episodes, be, created_at=T0, checkpoint=store,
                            progress=lambda done, total: seen.append((done, total)))
         before = len(srv.requests())
         episodes[0]["turns"][0] = {**episodes[0]["turns"][0], "text": "EP-ana-0: I went sailing instead"}
-        out = decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2,
+        out = decompose_episodes(episodes, be, created_at=T0, checkpoint=store,
                                  progress=lambda done, total: again.append((done, total)))
         after = len(srv.requests())
     assert before == 18 and after - before == 3  # only the edited episode's three calls
-    assert seen == [(6, 18), (12, 18), (18, 18)]  # progress after every checkpointed batch of 2 episodes
-    assert again == [(3, 3)]  # restored calls are not counted as work
+    assert seen == [(i, 18) for i in range(1, 19)]  # progress after every finished call
+    assert again == [(1, 3), (2, 3), (3, 3)]  # restored calls are not counted as work
     assert out.stats.reused_calls == 15
     assert out.memories.filter(pl.col("episode_id") == "ana-e0")["content"].str.contains("sailing").all()
 
@@ -251,3 +250,22 @@ def test_wrong_url_fails_at_once_naming_the_fix(tmp_path):
         n = len(srv.requests())
     assert "HTTP 404" in str(ei.value) and "base_url" in str(ei.value) and srv.base_url in str(ei.value)
     assert n <= 4  # no retry storm: each in-flight request stops at its first 404
+
+
+def test_served_model_id_is_recorded_when_no_model_is_configured(tmp_path, monkeypatch):
+    # `openai` backend, QUMEM_LLM_MODEL unset: the model id on every output and ledger row is the
+    # one the server serves (GET /v1/models), not a default name.
+    monkeypatch.delenv("QUMEM_LLM_MODEL", raising=False)
+    data = tmp_path / "data"
+    write_inputs(data)
+    with RunningFakeServer({"model": "served/Qwen2.5-Coder-1.5B", "default": [{"echo_memory": True}]},
+                           tmp_path / "srv") as srv:
+        result = materialize_memories(data, srv.base_url)
+        asked = [r for r in srv.requests() if r["path"].endswith("/chat/completions")]
+    assert result.success
+    mat = result.asset_materializations_for_node("memories")[0]
+    assert mat.metadata["model"].value == "served/Qwen2.5-Coder-1.5B"
+    mem, ledger = table(data, "memories"), table(data, "llm_ledger")
+    assert mem.height == len(USERS) * EPISODES_PER_USER * 3
+    assert set(mem["model"]) == set(ledger["model"]) == {"served/Qwen2.5-Coder-1.5B"}
+    assert {r["body"]["model"] for r in asked} == {"served/Qwen2.5-Coder-1.5B"}  # and it is what was asked for

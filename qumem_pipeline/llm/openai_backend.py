@@ -272,8 +272,10 @@ class OpenAIBackend(BackendBase):
                 continue  # blank separators, `event:` / `:` comment lines
             data = line[5:].strip()
             if data == "[DONE]":
-                done = True
-                break
+                done = True  # read on to the body's end, so the connection can be reused
+                continue
+            if done:
+                continue
             try:
                 chunk = json.loads(data)
             except ValueError:

@@ -405,18 +405,25 @@ def decompose_memories(convs: list[Conversation], episodes_by_user: dict[str, pl
                        out_root: str | os.PathLike | None = None, max_tokens: int = 384, log=None) -> pl.DataFrame:
     """Typed memories of every speaker of these conversations, by the pipeline's decomposition step.
 
-    Users are decomposed one at a time and each user's table is written (atomically, in the
-    pipeline's layout) as soon as it is done, so a long run on a slow backend leaves usable
-    partial output and ``--memories OUT_ROOT`` can score it again without the LLM.
+    Every finished call is checkpointed as it finishes, so an interrupted run on a slow backend
+    loses no answered call and its rerun sends only the rest; each user's table is written
+    (atomically, in the pipeline's layout) and ``--memories OUT_ROOT`` can score it again
+    without the LLM.
     """
     from datetime import datetime, timezone
 
+    from qumem_pipeline.memories.checkpoints import CheckpointStore
     from qumem_pipeline.memories.decompose import decompose_episodes
     from qumem_pipeline.storage.layout import DataLayout
 
     log = log or (lambda msg: None)
     layout = DataLayout(out_root) if out_root is not None else None
-    frames = []
+    # every finished call is checkpointed as it finishes (under --memories-out, else the cache), and
+    # all speakers' calls go out as one continuous stream: a failure loses no answered call, a rerun
+    # repeats none, and no speaker's slowest call holds back the next speaker's.
+    store = CheckpointStore(out_root if out_root is not None else
+                            os.path.join(os.environ.get("QUMEM_CACHE_DIR", ".cache"), "locomo_decompose"))
+    inputs, users = [], []
     for c in convs:
         for u in c.user_ids:
             eps = episodes_by_user.get(u)
@@ -424,16 +431,23 @@ def decompose_memories(convs: list[Conversation], episodes_by_user: dict[str, pl
             if eps is None or turns is None or eps.height == 0:
                 continue
             by_index = {r["turn_index"]: r for r in turns.iter_rows(named=True)}
-            inputs = [{"user_id": u, "episode_id": e["episode_id"], "turns": [by_index[t] for t in e["turn_ids"]]}
-                      for e in eps.iter_rows(named=True)]
-            t0 = time.perf_counter()
-            out = decompose_episodes(inputs, backend, created_at=datetime.now(timezone.utc), max_tokens=max_tokens)
-            log(f"[locomo] decomposed {u}: {len(inputs)} episodes, {out.summary['llm_calls']} calls, "
-                f"{out.memories.height} memories, {out.quarantine.height} quarantined ({time.perf_counter() - t0:.0f}s)")
-            if layout is not None:
-                layout.write_user_table("memories", u, out.memories)
-                layout.write_user_table("llm_ledger", u, out.ledger)
-            frames.append(out.memories)
+            inputs += [{"user_id": u, "episode_id": e["episode_id"], "turns": [by_index[t] for t in e["turn_ids"]]}
+                       for e in eps.iter_rows(named=True)]
+            users.append(u)
+    t0 = time.perf_counter()
+    out = decompose_episodes(inputs, backend, created_at=datetime.now(timezone.utc), max_tokens=max_tokens,
+                             checkpoint=store)
+    log(f"[locomo] decomposed {len(users)} speakers: {len(inputs)} episodes, {out.summary['llm_calls']} calls "
+        f"({out.stats.reused_calls} from checkpoints), {out.memories.height} memories, {out.quarantine.height} "
+        f"quarantined ({time.perf_counter() - t0:.0f}s)")
+    frames = []
+    for u in users:
+        mem = out.memories.filter(pl.col("user_id") == u)
+        if layout is not None:
+            layout.write_user_table("memories", u, mem)
+            layout.write_user_table("llm_ledger", u, out.ledger.filter(pl.col("user_id") == u))
+        store.compact(u, out.call_keys_by_user.get(u, set()))
+        frames.append(mem)
     return pl.concat(frames) if frames else pl.DataFrame()
 
 
