@@ -193,7 +193,7 @@ def test_stalled_stream_is_cut_and_retried_with_one_live_generation_at_a_time(tm
     script = {"rules": [{"match": "q", "responses": [{"stall_after": 1, "stall": 30, "json": {"answer": "ok"}},
                                                      {"json": {"answer": "ok"}}]}]}
     with RunningFakeServer(script, tmp_path) as srv, \
-            backend(srv, model="m", timeout_s=None, stall_timeout_s=0.5, backoff_base_s=0.3) as be:
+            backend(srv, model="m", timeout_s=None, stall_timeout_s=0.5, backoff_base_s=1.0, backoff_max_s=1.0) as be:
         (res,) = be.generate([req(0, "q")])
         n, gens = len(srv.requests()), srv.generations()
     assert res.ok and res.attempts == 2 and n == 2
