@@ -18,8 +18,9 @@ from resources import PipelineConfig
 from resources.models import LLMResource
 
 
-# Episodes per decomposition batch: each batch's finished calls are checkpointed before the next.
-CHECKPOINT_BATCH_EPISODES = int(os.environ.get("QUMEM_DECOMPOSE_BATCH_EPISODES", "64"))
+# Finished LLM calls are checkpointed as they finish, written at least every this many seconds / calls.
+CHECKPOINT_FLUSH_S = float(os.environ.get("QUMEM_CHECKPOINT_FLUSH_S", "1.0"))
+CHECKPOINT_FLUSH_CALLS = int(os.environ.get("QUMEM_CHECKPOINT_FLUSH_CALLS", "64"))
 
 
 def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
@@ -61,16 +62,15 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
         all_eps.append(eps_df.select("episode_id", "turn_ids"))
     context.log.info(f"decomposing {len(inputs)} episodes of {len(users)} users ({3 * len(inputs)} LLM calls)")
     t_llm = time.perf_counter()
-    store = CheckpointStore(pipeline.data_root)
+    store = CheckpointStore(pipeline.data_root).set_flush_policy(CHECKPOINT_FLUSH_S, CHECKPOINT_FLUSH_CALLS)
     try:
         out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens,
-                                 checkpoint=store, batch_episodes=CHECKPOINT_BATCH_EPISODES,
-                                 progress=ProgressLogger(context.log, "LLM calls (checkpointed batches)", every_s=0.0))
+                                 checkpoint=store, progress=ProgressLogger(context.log, "LLM calls (checkpointed)"))
     except LLMError as exc:
         saved = len(getattr(exc, "finished_outcomes", None) or [])
         raise dg.Failure(
             description=f"{exc} Finished LLM calls are checkpointed under {store.layout.table_dir('memory_checkpoints')} "
-            f"({saved} from the last batch); rerun the same users once the endpoint is back and only the "
+            f"({saved} finished in this run); rerun the same users once the endpoint is back and only the "
             "missing calls are sent."
         ) from exc
     llm_s = time.perf_counter() - t_llm

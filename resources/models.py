@@ -45,7 +45,7 @@ class LLMResource(dg.ConfigurableResource):
     model: str = ""  # openai / vllm-managed: served model name or path; local: a model dir ("" = packaged default)
     base_url: str = ""  # openai only
     max_concurrency: int = 64
-    timeout_s: float = 120.0
+    timeout_s: float = 0.0  # fixed overall bound per request; 0 = derived (qumem_pipeline/llm/timeouts.py, QUMEM_LLM_TIMEOUT_S)
     max_tokens: int = 384
     batch_size: int = 8  # local only
     vllm_python: str = ""  # vllm-managed: python of the venv that has vLLM ("" = this one)
@@ -62,9 +62,10 @@ class LLMResource(dg.ConfigurableResource):
             if not self.base_url:
                 raise ValueError("LLMResource(kind='openai') needs base_url (e.g. http://vllm:8000/v1)")
             return make_backend("openai", base_url=self.base_url, model=self.model or None,
-                                max_concurrency=self.max_concurrency, timeout_s=self.timeout_s)
+                                max_concurrency=self.max_concurrency, timeout_s=self.timeout_s or None)
         if kind in ("vllm-managed", "vllm"):
-            return make_backend("vllm-managed", model=self.model, python=self.vllm_python or None)
+            return make_backend("vllm-managed", model=self.model, python=self.vllm_python or None,
+                                timeout_s=self.timeout_s or None)
         raise ValueError(f"unknown LLM kind {self.kind!r}")
 
     @property

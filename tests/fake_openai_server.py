@@ -22,17 +22,33 @@ responses are served in order, one per request it matches (the last one repeats)
     {"garbage": "not json at all"}        -> HTTP 200 whose body is not JSON
     {"content": "raw assistant text"}     -> a normal completion carrying this text
     {"json": {...}}                       -> a normal completion carrying json.dumps(value)
-    optional on normal ones: "cached_tokens": n, "finish_reason": "length"
+    optional on normal ones: "cached_tokens": n, "finish_reason": "length",
+      "token_delay": s     seconds per token (a slow engine): streamed, one chunk every s seconds;
+                           not streamed, the whole answer after tokens x s
+      "stall_after": k, "stall": s   streamed: after k tokens, s seconds without a byte (a wedged engine)
+
+Streaming (`"stream": true` in the request, as vLLM): server-sent events in chunked transfer
+encoding, one `chat.completion.chunk` per token (a token = ~4 characters of the content), the
+finish chunk, a usage chunk when `stream_options.include_usage` is set, then `data: [DONE]`.
+`truncate` cuts a stream after half its tokens. Like vLLM, a generation whose client disconnects
+is aborted at once (the socket is watched while waiting between tokens).
 
 Every request received is appended to --log as a JSON line (path, body, response), for assertions;
-several server processes may share one log (a server that dies and comes back).
+several server processes may share one log (a server that dies and comes back). With --gen-log,
+every generation also appends {"key", "event": "start", "live_before"} when it starts (live_before:
+generations of the same prompt already running) and {"key", "event": "end", "how": "finished" |
+"client_disconnected" | "truncated"} when it ends: what a test needs to prove a retry never ran
+next to the generation it replaced.
 GET /v1/models lists the model; GET /health answers 200.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
+import select
+import socket
 import sys
 import threading
 import time
@@ -40,13 +56,31 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class State:
-    def __init__(self, script: dict, log_path: str | None) -> None:
+    def __init__(self, script: dict, log_path: str | None, gen_log_path: str | None = None) -> None:
         self.model = script.get("model", "fake-model")
         self.rules = script.get("rules", [])
         self.default = script.get("default") or [{"json": {"memories": []}}]
         self.counters: dict[int, int] = {}
         self.lock = threading.Lock()
         self.log_path = log_path
+        self.gen_log_path = gen_log_path
+        self.live: dict[str, int] = {}  # prompt key -> generations of it running now
+
+    def generation_started(self, key: str) -> None:
+        with self.lock:
+            n = self.live.get(key, 0)
+            self.live[key] = n + 1
+        self._gen_log({"key": key, "event": "start", "live_before": n, "t": time.time()})
+
+    def generation_ended(self, key: str, how: str) -> None:
+        with self.lock:
+            self.live[key] -= 1
+        self._gen_log({"key": key, "event": "end", "how": how, "t": time.time()})
+
+    def _gen_log(self, entry: dict) -> None:
+        if self.gen_log_path:
+            with self.lock, open(self.gen_log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
 
     def pick(self, text: str) -> dict:
         with self.lock:
@@ -126,7 +160,7 @@ def make_handler(state: State):
                 msg = {"error": {"message": f"scripted {resp['status']}", "type": "server_error"}}
                 self._send(int(resp["status"]), json.dumps(msg).encode(), headers)
                 return
-            if resp.get("truncate"):
+            if resp.get("truncate") and not body.get("stream"):
                 body_bytes = json.dumps(_completion(body, state.model, '{"memories": []}', resp)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -143,9 +177,98 @@ def make_handler(state: State):
                 content = json.dumps(_echo_memory(text))
             else:
                 content = resp["content"] if "content" in resp else json.dumps(resp.get("json", {}))
-            self._send(200, json.dumps(_completion(body, state.model, content, resp)).encode())
+            key = hashlib.sha256(text.encode()).hexdigest()[:16]
+            state.generation_started(key)
+            how = "client_disconnected"
+            try:
+                if body.get("stream"):
+                    how = self._stream(body, content, resp)
+                else:
+                    delay = float(resp.get("token_delay", 0)) * len(_tokens(content))
+                    if delay and self._wait_or_gone(delay):
+                        return
+                    self._send(200, json.dumps(_completion(body, state.model, content, resp)).encode())
+                    how = "finished"
+            except (BrokenPipeError, ConnectionResetError):
+                how = "client_disconnected"
+                self.close_connection = True
+            finally:
+                state.generation_ended(key, how)
+
+        def _wait_or_gone(self, seconds: float) -> bool:
+            """Sleep `seconds` unless the client hangs up first (True): vLLM aborts such a request."""
+            deadline = time.monotonic() + seconds
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                readable, _, _ = select.select([self.connection], [], [], left)
+                if readable:
+                    try:
+                        peek = self.connection.recv(1, socket.MSG_PEEK)
+                    except OSError:
+                        peek = b""
+                    if not peek:
+                        self.close_connection = True
+                        return True
+                    time.sleep(max(0.0, deadline - time.monotonic()))  # bytes, not a hang-up: keep waiting
+                    return False
+
+        def _chunk(self, payload: bytes) -> None:
+            self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+            self.wfile.flush()
+
+        def _event(self, obj) -> None:
+            self._chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+
+        def _stream(self, body: dict, content: str, resp: dict) -> str:
+            """Server-sent events, one chunk per token; returns how the generation ended."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.flush()
+            model = body.get("model", state.model)
+            base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+            self._event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None}]})
+            toks = _tokens(content)
+            cut = len(toks) // 2 if resp.get("truncate") else None
+            delay = float(resp.get("token_delay", 0))
+            for i, tok in enumerate(toks):
+                if cut is not None and i == cut:
+                    self._hang_up()
+                    return "truncated"
+                if "stall_after" in resp and i == int(resp["stall_after"]) and self._wait_or_gone(float(resp["stall"])):
+                    return "client_disconnected"
+                if delay and self._wait_or_gone(delay):
+                    return "client_disconnected"
+                self._event({**base, "choices": [{"index": 0, "delta": {"content": tok}, "finish_reason": None}]})
+            self._event({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": resp.get("finish_reason", "stop")}]})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                self._event({**base, "choices": [], "usage": _usage(body, len(toks), resp)})
+            self._event(b"[DONE]")
+            self._chunk(b"")
+            return "finished"
 
     return Handler
+
+
+def _tokens(content: str) -> list[str]:
+    """The content cut into ~4-character tokens (as many as the usage reports)."""
+    n = max(1, len(content) // 4)
+    step = len(content) / n
+    return [content[round(i * step):round((i + 1) * step)] for i in range(n)]
+
+
+def _usage(body: dict, completion_tokens: int, resp: dict) -> dict:
+    text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+    prompt_tokens = max(1, len(text) // 4)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if "cached_tokens" in resp:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(resp["cached_tokens"])}
+    return usage
 
 
 _TURN_LINE = re.compile(r"^\[(\d+)\] ([^\n]*?): (.*)$", re.M)
@@ -161,13 +284,7 @@ def _echo_memory(text: str) -> dict:
 
 def _completion(body: dict, model: str, content: str, resp: dict) -> dict:
     """A chat.completion payload carrying `content`, with usage estimated from the text lengths."""
-    text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
-    prompt_tokens = max(1, len(text) // 4)
-    completion_tokens = max(1, len(content) // 4)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
-    if "cached_tokens" in resp:
-        usage["prompt_tokens_details"] = {"cached_tokens": int(resp["cached_tokens"])}
+    usage = _usage(body, len(_tokens(content)), resp)
     return {
         "id": "chatcmpl-fake",
         "object": "chat.completion",
@@ -185,10 +302,14 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--script", required=True)
     ap.add_argument("--log", default=None)
+    ap.add_argument("--gen-log", default=None)
     args = ap.parse_args()
     with open(args.script, encoding="utf-8") as f:
         script = json.load(f)
-    state = State(script, args.log)
+    state = State(script, args.log, args.gen_log)
+    # a real server's listen backlog (uvicorn: 2048), not socketserver's 5: a client opening 64
+    # connections at once must not see resets that no production server would give it
+    ThreadingHTTPServer.request_queue_size = 1024
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"PORT {server.server_address[1]}", flush=True)
@@ -214,8 +335,10 @@ class RunningFakeServer:
         self.script_path = workdir / "script.json"
         self.script_path.write_text(json.dumps(script), encoding="utf-8")
         self.log_path = workdir / "requests.jsonl"
+        self.gen_log_path = workdir / "generations.jsonl"
         self.proc = subprocess.Popen(
-            [python or sys.executable, __file__, "--port", str(port), "--script", str(self.script_path), "--log", str(self.log_path)],
+            [python or sys.executable, __file__, "--port", str(port), "--script", str(self.script_path), "--log",
+             str(self.log_path), "--gen-log", str(self.gen_log_path)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -236,6 +359,12 @@ class RunningFakeServer:
         if not self.log_path.exists():
             return []
         return [json.loads(x) for x in self.log_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+    def generations(self) -> list[dict]:
+        """Start/end events of every generation (see the module docstring), in the order they happened."""
+        if not self.gen_log_path.exists():
+            return []
+        return [json.loads(x) for x in self.gen_log_path.read_text(encoding="utf-8").splitlines() if x.strip()]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -123,25 +123,20 @@ def test_transient_faults_recover_with_identical_memories(tmp_path, baseline, fa
     assert out.ledger.filter(pl.col("episode_id") == "ana-e1")["transport_attempts"].sum() == len(hit)
 
 
-def test_429_retry_after_is_honoured_and_capped(tmp_path):
-    script = {"rules": [{"match": "wait-1", "responses": [{"status": 429, "retry_after": 1}, {"json": {"memories": []}}]},
-                        {"match": "wait-long", "responses": [{"status": 429, "retry_after": 3600}, {"json": {"memories": []}}]}]}
+def test_429_retry_after_is_capped(tmp_path):
+    # the server asks for an hour; the client waits max_retry_after_s (0.3 s) instead. Checked on the
+    # server's clock with a lower bound (it did wait) and the test finishing at all (not an hour):
+    # no upper wall-clock bound that a loaded box could break.
+    script = {"rules": [{"match": "wait-long", "responses": [{"status": 429, "retry_after": 3600}, {"json": {"memories": []}}]}]}
     from qumem_pipeline.llm import ChatRequest
 
-    def req(i, text):
-        return ChatRequest(request_id=f"r{i}", messages=[{"role": "user", "content": text}], json_schema={"type": "object"})
-
     with RunningFakeServer(script, tmp_path) as srv, backend(srv.base_url, max_retry_after_s=0.3) as be:
-        t0 = time.perf_counter()
-        a, b = be.generate([req(0, "wait-1"), req(1, "wait-long")])
-        dt = time.perf_counter() - t0
-        times = {}
-        for r in srv.requests():
-            times.setdefault(r["body"]["messages"][0]["content"], []).append(r["t"])
-    assert a.ok and b.ok and a.attempts == b.attempts == 2
-    # capped at max_retry_after_s (0.3 s), not the server's 1 s or one hour
-    assert 0.25 <= times["wait-1"][1] - times["wait-1"][0] < 0.9
-    assert 0.25 <= times["wait-long"][1] - times["wait-long"][0] < 0.9 and dt < 5
+        assert be._backoff(0, 3600.0) == 0.3  # what the wait is: the cap, not the server's hour
+        (res,) = be.generate([ChatRequest(request_id="r0", messages=[{"role": "user", "content": "wait-long"}],
+                                          json_schema={"type": "object"})])
+        times = [r["t"] for r in srv.requests()]
+    assert res.ok and res.attempts == 2 and len(times) == 2
+    assert times[1] - times[0] >= 0.25
 
 
 def test_malformed_and_schema_violating_output_is_quarantined_with_reason(tmp_path, baseline):
@@ -182,8 +177,7 @@ def test_server_that_dies_and_comes_back_within_the_retries(tmp_path, baseline):
     th.start()
     try:
         with backend(srv.base_url, max_retries=8, backoff_base_s=0.2, backoff_max_s=1.0) as be:
-            out = decompose_episodes(episodes, be, created_at=T0, checkpoint=CheckpointStore(tmp_path / "data"),
-                                     batch_episodes=2)
+            out = decompose_episodes(episodes, be, created_at=T0, checkpoint=CheckpointStore(tmp_path / "data"))
         th.join(timeout=60)
     finally:
         srv.stop()
@@ -201,14 +195,13 @@ def test_endpoint_gone_for_good_fails_clearly_and_rerun_repeats_no_finished_call
     # the server crashes on ben's second episode and does not come back for this run
     script = {"rules": [{"match": ep_text("ben", 1), "responses": [{"exit": True}]}], "default": [{"echo_memory": True}]}
     with RunningFakeServer(script, tmp_path / "srv1", port=port) as srv1:
-        t0 = time.perf_counter()
         result = materialize_memories(data, srv1.base_url, raise_on_error=False)
-        failed_after = time.perf_counter() - t0
         answered_before = len(srv1.answered())
-    assert not result.success and failed_after < 60  # bounded retries
+    assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     msg = failure.event_specific_data.error.to_string()
     assert f"127.0.0.1:{port}" in msg and "rerun" in msg.lower() and "memory_checkpoints" in msg
+    assert "after 5 attempt(s)" in msg  # bounded retries: the first try and max_retries=4
     assert DataLayout(data).read_table("memories") is None  # nothing half-written
     assert 0 < answered_before < 3 * len(USERS) * EPISODES_PER_USER
 
@@ -235,16 +228,16 @@ def test_changed_episode_is_recomputed_not_served_from_checkpoint(tmp_path):
     store = CheckpointStore(tmp_path / "data")
     seen, again = [], []
     with RunningFakeServer({"default": [{"echo_memory": True}]}, tmp_path / "srv") as srv, backend(srv.base_url) as be:
-        decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2,
+        decompose_episodes(episodes, be, created_at=T0, checkpoint=store,
                            progress=lambda done, total: seen.append((done, total)))
         before = len(srv.requests())
         episodes[0]["turns"][0] = {**episodes[0]["turns"][0], "text": "EP-ana-0: I went sailing instead"}
-        out = decompose_episodes(episodes, be, created_at=T0, checkpoint=store, batch_episodes=2,
+        out = decompose_episodes(episodes, be, created_at=T0, checkpoint=store,
                                  progress=lambda done, total: again.append((done, total)))
         after = len(srv.requests())
     assert before == 18 and after - before == 3  # only the edited episode's three calls
-    assert seen == [(6, 18), (12, 18), (18, 18)]  # progress after every checkpointed batch of 2 episodes
-    assert again == [(3, 3)]  # restored calls are not counted as work
+    assert seen == [(i, 18) for i in range(1, 19)]  # progress after every finished call
+    assert again == [(1, 3), (2, 3), (3, 3)]  # restored calls are not counted as work
     assert out.stats.reused_calls == 15
     assert out.memories.filter(pl.col("episode_id") == "ana-e0")["content"].str.contains("sailing").all()
 
@@ -257,3 +250,22 @@ def test_wrong_url_fails_at_once_naming_the_fix(tmp_path):
         n = len(srv.requests())
     assert "HTTP 404" in str(ei.value) and "base_url" in str(ei.value) and srv.base_url in str(ei.value)
     assert n <= 4  # no retry storm: each in-flight request stops at its first 404
+
+
+def test_served_model_id_is_recorded_when_no_model_is_configured(tmp_path, monkeypatch):
+    # `openai` backend, QUMEM_LLM_MODEL unset: the model id on every output and ledger row is the
+    # one the server serves (GET /v1/models), not a default name.
+    monkeypatch.delenv("QUMEM_LLM_MODEL", raising=False)
+    data = tmp_path / "data"
+    write_inputs(data)
+    with RunningFakeServer({"model": "served/Qwen2.5-Coder-1.5B", "default": [{"echo_memory": True}]},
+                           tmp_path / "srv") as srv:
+        result = materialize_memories(data, srv.base_url)
+        asked = [r for r in srv.requests() if r["path"].endswith("/chat/completions")]
+    assert result.success
+    mat = result.asset_materializations_for_node("memories")[0]
+    assert mat.metadata["model"].value == "served/Qwen2.5-Coder-1.5B"
+    mem, ledger = table(data, "memories"), table(data, "llm_ledger")
+    assert mem.height == len(USERS) * EPISODES_PER_USER * 3
+    assert set(mem["model"]) == set(ledger["model"]) == {"served/Qwen2.5-Coder-1.5B"}
+    assert {r["body"]["model"] for r in asked} == {"served/Qwen2.5-Coder-1.5B"}  # and it is what was asked for

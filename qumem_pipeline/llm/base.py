@@ -7,6 +7,7 @@ parses and validates it, so callers see either `parsed` or an `error` naming wha
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -87,6 +88,46 @@ class LLMBackend(Protocol):
     def close(self) -> None: ...
 
 
+# on_result(request, result) -> follow-up requests to submit (e.g. a retry), or None
+OnResult = Callable[[ChatRequest, ChatResult], "list[ChatRequest] | None"]
+
+
+def generate_each_by_rounds(backend: Any, requests: list[ChatRequest], on_result: OnResult) -> None:
+    """`generate_each` for a backend that only has `generate`: one `generate` per round of
+    follow-ups, each result handed to `on_result` as soon as its round returns. On an endpoint
+    failure the finished results of that round are handed over before the error is raised."""
+    pending = list(requests)
+    while pending:
+        try:
+            results = backend.generate(pending)
+        except LLMEndpointError as exc:
+            for req, res in zip(pending, getattr(exc, "partial_results", None) or []):
+                if res is not None:
+                    on_result(req, res)  # follow-ups of a failed round are not sent
+            raise
+        if len(results) != len(pending):
+            raise RuntimeError(f"backend returned {len(results)} results for {len(pending)} requests")
+        follow: list[ChatRequest] = []
+        for req, res in zip(pending, results):
+            follow.extend(on_result(req, res) or [])
+        pending = follow
+
+
+def generate_each(backend: Any, requests: list[ChatRequest], on_result: OnResult) -> None:
+    """Run `requests` with the backend's bound on requests in flight and call `on_result` for each
+    one the moment it finishes (in completion order); the requests it returns are submitted too.
+
+    Why: a caller that checkpoints each finished call as it arrives loses nothing on a later
+    failure, and a backend that submits continuously never idles its engine waiting for the
+    slowest request of a batch. Raises `LLMEndpointError` after handing over every result that
+    did finish."""
+    fn = getattr(backend, "generate_each", None)
+    if fn is not None:
+        fn(requests, on_result)
+    else:
+        generate_each_by_rounds(backend, requests, on_result)
+
+
 class BackendBase:
     """Context-manager plumbing shared by the concrete backends."""
 
@@ -95,6 +136,10 @@ class BackendBase:
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:  # pragma: no cover
         raise NotImplementedError
+
+    def generate_each(self, requests: list[ChatRequest], on_result: OnResult) -> None:
+        """Results as they finish (see `generate_each`); backends that can do better override it."""
+        generate_each_by_rounds(self, requests, on_result)
 
     def close(self) -> None:
         pass

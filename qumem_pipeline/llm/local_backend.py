@@ -32,6 +32,7 @@ from qumem_pipeline.llm.base import (  # noqa: E402
     BackendBase,
     ChatRequest,
     ChatResult,
+    OnResult,
     parse_structured,
 )
 
@@ -361,19 +362,23 @@ class LocalBackend(BackendBase):
             finish_reason=r.finish,
         )
 
-    def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
+    def _rows(self, requests: list[ChatRequest]) -> list["_Row"]:
         import xgrammar as xgr
 
-        if not requests:
-            return []
         if any(r.json_schema is None for r in requests):
             raise ValueError("the local backend needs a json_schema on every request")
+        rows = [
+            _Row(i, r, self.prompt_token_ids(r.messages), max(1, int(r.max_tokens)), xgr.GrammarMatcher(self._compile(r.decoding_schema)))
+            for i, r in enumerate(requests)
+        ]
+        rows.sort(key=lambda r: (len(r.prompt), r.index))  # similar lengths pad less
+        return rows
+
+    def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
+        if not requests:
+            return []
         with self._lock:
-            rows = [
-                _Row(i, r, self.prompt_token_ids(r.messages), max(1, int(r.max_tokens)), xgr.GrammarMatcher(self._compile(r.decoding_schema)))
-                for i, r in enumerate(requests)
-            ]
-            rows.sort(key=lambda r: (len(r.prompt), r.index))  # similar lengths pad less
+            rows = self._rows(requests)
             results: list[ChatResult | None] = [None] * len(requests)
 
             def done(r: _Row) -> None:
@@ -381,6 +386,16 @@ class LocalBackend(BackendBase):
 
             self._run(rows, done)
             return [r for r in results if r is not None]
+
+    def generate_each(self, requests: list[ChatRequest], on_result: OnResult) -> None:
+        """Each result handed over the moment its row leaves the batch; follow-ups run next."""
+        pending = list(requests)
+        while pending:
+            follow: list[ChatRequest] = []
+            with self._lock:
+                rows = self._rows(pending)
+                self._run(rows, lambda r: follow.extend(on_result(r.req, self._result(r)) or []))
+            pending = follow
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]

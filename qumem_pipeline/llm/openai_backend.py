@@ -1,25 +1,38 @@
 """Backend for any OpenAI-compatible chat-completions endpoint, first of all `vllm serve`.
 
-Requests run concurrently on an httpx.AsyncClient (bounded by a semaphore) from a plain sync
-`generate`. Structured output is requested both ways vLLM understands:
-`response_format={"type": "json_schema", ...}` (the OpenAI form) and vLLM's own
+Requests run concurrently on an httpx.AsyncClient, at most `max_concurrency` in flight, from plain
+sync calls: `generate` (a list in, a list out) and `generate_each` (each result handed to a
+callback the moment it finishes, new requests submitted as slots free up, so the engine is never
+idle waiting for the slowest request of a batch). Structured output is requested both ways vLLM
+understands: `response_format={"type": "json_schema", ...}` (the OpenAI form) and vLLM's own
 `structured_outputs: {"json": schema}` request field. (vLLM >= 0.12 silently ignores the old
 `guided_json` field, so it is never sent.)
 
+Streaming (`stream: true`, default): tokens arrive as server-sent events, so a slow generation
+that keeps progressing is never cut; a request is cut only after `stall` seconds without a byte,
+or past its overall bound (`RequestTimeouts`: derived from max_tokens and a tokens/s floor unless
+fixed). Cutting a request closes its connection, and vLLM aborts a request whose client
+disconnected, so a retry never runs next to the generation it replaces. Usage comes from the
+final chunk (`stream_options.include_usage`). A server that ignores `stream` and answers with a
+plain completion is read as one.
+
 Faults, per request: 429 (Retry-After honoured, capped at `max_retry_after_s`), 5xx, timeouts
-(`timeout_s` per request; a hung server is a timeout), dropped or cut connections are retried with
-bounded exponential backoff (`backoff_base_s * 2**n`, capped at `backoff_max_s`, seeded jitter) up to
-`max_retries` times. A body that is not a chat completion (a proxy's HTML page) is retried too, and
-if it persists becomes that request's `invalid_json` result (the caller quarantines it): the server
-answers, so the run goes on. 401/403/404 mean a wrong URL or key and stop at once. A request still
-failing after its retries raises `LLMEndpointError` naming the URL, after every other request of the
-batch has finished; the error's `partial_results` carries those results so the caller can keep them.
+(stall / overall; a hung server is a stall), dropped or cut connections (a stream that ends before
+its finish) are retried with bounded exponential backoff (`backoff_base_s * 2**n`, capped at
+`backoff_max_s`, seeded jitter) up to `max_retries` times. A body that is not a chat completion (a
+proxy's HTML page) is retried too, and if it persists becomes that request's `invalid_json` result
+(the caller quarantines it): the server answers, so the run goes on. 401/403/404 mean a wrong URL
+or key and stop at once. A request still failing after its retries raises `LLMEndpointError` naming
+the URL: nothing new is submitted, the requests in flight run to their end (their results are
+handed over), and the error's `partial_results` (from `generate`) carries what finished.
 """
 
 import asyncio
+import json
 import random
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import httpx
@@ -32,8 +45,10 @@ from qumem_pipeline.llm.base import (
     ChatRequest,
     ChatResult,
     LLMEndpointError,
+    OnResult,
     parse_structured,
 )
+from qumem_pipeline.llm.timeouts import RequestTimeouts
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 CONFIG_STATUS = {401, 403, 404}  # the same for every request: wrong base_url, model route or key
@@ -45,6 +60,13 @@ class _Retryable(Exception):
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+
+
+class _Reply:
+    """What one successful HTTP exchange produced: the completion's text, finish and usage."""
+
+    def __init__(self, text: str, finish: str | None, usage: dict, content_chunks: int | None = None) -> None:
+        self.text, self.finish, self.usage, self.content_chunks = text, finish, usage, content_chunks
 
 
 def _retry_after_seconds(value: str | None) -> float | None:
@@ -62,6 +84,28 @@ def _retry_after_seconds(value: str | None) -> float | None:
         return None
 
 
+def _run_sync(make_coro):
+    """Run a coroutine from sync code, on a helper thread when a loop is already running here."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make_coro())
+    box: dict[str, Any] = {}
+
+    def runner() -> None:
+        try:
+            box["v"] = asyncio.run(make_coro())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["e"] = exc
+
+    th = threading.Thread(target=runner, daemon=True)
+    th.start()
+    th.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
+
+
 class OpenAIBackend(BackendBase):
     backend_name = "openai"
 
@@ -71,7 +115,7 @@ class OpenAIBackend(BackendBase):
         model: str | None = None,
         api_key: str | None = None,
         max_concurrency: int = 64,
-        timeout_s: float = 120.0,
+        timeout_s: float | None = None,
         connect_timeout_s: float = 10.0,
         max_retries: int = 4,
         backoff_base_s: float = 0.5,
@@ -84,7 +128,15 @@ class OpenAIBackend(BackendBase):
         strict: bool = True,
         compact_json: bool = True,
         extra_body: dict[str, Any] | None = None,
+        stream: bool = True,
+        stall_timeout_s: float | None = None,
+        min_tokens_per_s: float | None = None,
+        timeout_env_kind: str = "openai",
     ) -> None:
+        """`timeout_s`: a fixed overall bound per request (None: derived from max_tokens, see
+        `RequestTimeouts`); `stall_timeout_s`: seconds without progress before a request is cut;
+        `min_tokens_per_s`: the decode-rate floor the derived bound assumes. Unset ones come from
+        QUMEM_LLM_<KIND>_* then QUMEM_LLM_* (KIND = `timeout_env_kind`)."""
         base_url = base_url.rstrip("/")
         if not base_url.endswith("/v1"):
             base_url = base_url + "/v1"
@@ -92,7 +144,8 @@ class OpenAIBackend(BackendBase):
         self.url = f"{base_url}/chat/completions"
         self.api_key = api_key
         self.max_concurrency = max(1, int(max_concurrency))
-        self.timeout_s = float(timeout_s)
+        self.timeouts = RequestTimeouts.resolve(timeout_env_kind, overall_s=timeout_s, stall_s=stall_timeout_s,
+                                                min_tokens_per_s=min_tokens_per_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.max_retries = int(max_retries)
         self.backoff_base_s = float(backoff_base_s)
@@ -105,6 +158,7 @@ class OpenAIBackend(BackendBase):
         self.strict = strict
         self.compact_json = compact_json
         self.extra_body = dict(extra_body or {})
+        self.stream = bool(stream)
         self._rng = random.Random(seed)
         self._model = model
         self._gone: LLMEndpointError | None = None  # set once a request exhausts its retries
@@ -112,6 +166,8 @@ class OpenAIBackend(BackendBase):
     # -- model name ---------------------------------------------------------------------------
     @property
     def model_name(self) -> str:  # type: ignore[override]
+        """The configured model, else the id the server serves (`GET /v1/models`), asked once:
+        what every output row and ledger row records."""
         if self._model is None:
             self._model = self._discover_model()
         return self._model
@@ -144,6 +200,9 @@ class OpenAIBackend(BackendBase):
             "temperature": self.temperature,
             "seed": self.seed,
         }
+        if self.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
         schema = req.decoding_schema
         if schema is not None:
             if self.send_response_format:
@@ -169,58 +228,110 @@ class OpenAIBackend(BackendBase):
         base = min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
         return base * (0.5 + 0.5 * self._rng.random())  # seeded jitter in [0.5, 1.0] x base
 
-    # -- one request --------------------------------------------------------------------------
-    async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, req: ChatRequest) -> ChatResult:
+    # -- one HTTP exchange ----------------------------------------------------------------------
+    async def _exchange(self, client: httpx.AsyncClient, req: ChatRequest, body: dict, attempt: int) -> "_Reply | ChatResult":
+        # without streaming nothing arrives before the end: only the overall bound can apply
+        stall = self.timeouts.stall_for(req.max_tokens) if self.stream else self.timeouts.overall_for(req.max_tokens)
+        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=stall, write=stall, pool=None)
+        # Leaving this block by any exit (finished, stalled, over its bound, cancelled) closes the
+        # response; an unfinished one takes its connection with it, which makes vLLM abort it.
+        async with client.stream("POST", self.url, json=body, headers=self._headers(), timeout=timeout) as resp:
+            if resp.status_code >= 400:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                if resp.status_code in RETRY_STATUS:
+                    raise _Retryable(f"HTTP {resp.status_code}: {text[:200]}",
+                                     _retry_after_seconds(resp.headers.get("retry-after")))
+                if resp.status_code in CONFIG_STATUS:
+                    self._gone = LLMEndpointError(
+                        self.url, f"HTTP {resp.status_code}: {text[:200]} (check base_url, the model name "
+                        "and the API key)", attempt + 1)
+                    raise self._gone
+                # A client error (bad request, context too long): not retried; the caller
+                # quarantines the episode and the run goes on.
+                return ChatResult(request_id=req.request_id, parsed=None, raw_text=text,
+                                  error=f"{ERROR_HTTP}: HTTP {resp.status_code}: {text[:500]}", attempts=attempt + 1)
+            if "text/event-stream" in resp.headers.get("content-type", ""):
+                return await self._read_stream(resp)
+            raw = (await resp.aread()).decode("utf-8", "replace")  # a plain completion (stream ignored or off)
+            try:
+                payload = json.loads(raw)
+                choice = payload["choices"][0]
+                text = choice["message"].get("content") or ""
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                raise _Retryable(f"{MALFORMED} ({type(exc).__name__}): {raw[:200]}")
+            return _Reply(text, choice.get("finish_reason"), payload.get("usage") or {})
+
+    async def _read_stream(self, resp: httpx.Response) -> _Reply:
+        parts: list[str] = []
+        finish: str | None = None
+        usage: dict = {}
+        chunks = 0
+        done = False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, `event:` / `:` comment lines
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True  # read on to the body's end, so the connection can be reused
+                continue
+            if done:
+                continue
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise _Retryable(f"{MALFORMED} (bad stream chunk): {data[:200]}") from None
+            if not isinstance(chunk, dict):
+                raise _Retryable(f"{MALFORMED} (bad stream chunk): {data[:200]}")
+            if chunk.get("error"):
+                raise _Retryable(f"error mid-stream: {json.dumps(chunk['error'])[:200]}")
+            for c in chunk.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    parts.append(piece)
+                    chunks += 1
+                if c.get("finish_reason"):
+                    finish = c["finish_reason"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+        if finish is None:
+            # the connection ended (or [DONE] came) before the generation finished: a cut stream
+            raise _Retryable(f"stream ended before the completion finished ({'[DONE]' if done else 'no [DONE]'}, "
+                             f"{chunks} chunks)")
+        return _Reply("".join(parts), finish, usage, chunks)
+
+    # -- one request, with its retries --------------------------------------------------------
+    async def _one(self, client: httpx.AsyncClient, req: ChatRequest) -> ChatResult:
         body = self.build_body(req)
         last_reason = ""
-        async with sem:
-            started = time.perf_counter()
-            for attempt in range(self.max_retries + 1):
-                if self._gone is not None:
-                    # Another request already used up its retries on this endpoint: fail fast
-                    # instead of spending every queued request's retry budget on a dead server.
-                    raise self._gone
-                try:
-                    resp = await client.post(self.url, json=body, headers=self._headers())
-                    if resp.status_code in RETRY_STATUS:
-                        raise _Retryable(
-                            f"HTTP {resp.status_code}: {resp.text[:200]}",
-                            _retry_after_seconds(resp.headers.get("retry-after")),
-                        )
-                    if resp.status_code in CONFIG_STATUS:
-                        self._gone = LLMEndpointError(
-                            self.url, f"HTTP {resp.status_code}: {resp.text[:200]} (check base_url, the model name "
-                            "and the API key)", attempt + 1)
-                        raise self._gone
-                    if resp.status_code >= 400:
-                        # A client error (bad request, context too long): not retried; the caller
-                        # quarantines the episode and the run goes on.
-                        return ChatResult(
-                            request_id=req.request_id,
-                            parsed=None,
-                            raw_text=resp.text,
-                            error=f"{ERROR_HTTP}: HTTP {resp.status_code}: {resp.text[:500]}",
-                            latency_s=time.perf_counter() - started,
-                            attempts=attempt + 1,
-                        )
-                    try:
-                        payload = resp.json()
-                        choice = payload["choices"][0]
-                        text = choice["message"].get("content") or ""
-                    except (ValueError, KeyError, IndexError, TypeError) as exc:
-                        raise _Retryable(f"{MALFORMED} ({type(exc).__name__}): {resp.text[:200]}")
-                    return self._result(req, payload, choice, text, time.perf_counter() - started, attempt + 1)
-                except _Retryable as exc:
-                    last_reason = exc.reason
-                    delay = self._backoff(attempt, exc.retry_after)
-                except httpx.TimeoutException as exc:
-                    last_reason = f"timeout after {self.timeout_s:g}s ({type(exc).__name__})"
-                    delay = self._backoff(attempt, None)
-                except httpx.TransportError as exc:
-                    last_reason = f"{type(exc).__name__}: {exc}"
-                    delay = self._backoff(attempt, None)
-                if attempt < self.max_retries:
-                    await asyncio.sleep(delay)
+        started = time.perf_counter()
+        overall = self.timeouts.overall_for(req.max_tokens)
+        for attempt in range(self.max_retries + 1):
+            if self._gone is not None:
+                # Another request already used up its retries on this endpoint: fail fast
+                # instead of spending every queued request's retry budget on a dead server.
+                raise self._gone
+            try:
+                async with asyncio.timeout(overall):
+                    out = await self._exchange(client, req, body, attempt)
+                if isinstance(out, ChatResult):
+                    out.latency_s = time.perf_counter() - started
+                    return out
+                return self._result(req, out, time.perf_counter() - started, attempt + 1)
+            except _Retryable as exc:
+                last_reason = exc.reason
+                delay = self._backoff(attempt, exc.retry_after)
+            except TimeoutError:  # asyncio.timeout: streaming, but not done within the overall bound
+                last_reason = f"timeout: no completion within {overall:g}s (overall bound for max_tokens={req.max_tokens})"
+                delay = self._backoff(attempt, None)
+            except httpx.TimeoutException as exc:
+                last_reason = (f"timeout: no progress for {self.timeouts.stall_for(req.max_tokens):g}s "
+                               f"({type(exc).__name__})")
+                delay = self._backoff(attempt, None)
+            except httpx.TransportError as exc:
+                last_reason = f"{type(exc).__name__}: {exc}"
+                delay = self._backoff(attempt, None)
+            if attempt < self.max_retries:
+                await asyncio.sleep(delay)
         if last_reason.startswith(MALFORMED):
             # The server is up and answering, just not with a completion for this request.
             return ChatResult(request_id=req.request_id, parsed=None, raw_text=last_reason,
@@ -229,11 +340,13 @@ class OpenAIBackend(BackendBase):
         self._gone = LLMEndpointError(self.url, last_reason, self.max_retries + 1)
         raise self._gone
 
-    def _result(self, req, payload, choice, text, latency, attempts) -> ChatResult:
-        usage = payload.get("usage") or {}
+    def _result(self, req: ChatRequest, reply: _Reply, latency: float, attempts: int) -> ChatResult:
+        usage, text, finish = reply.usage, reply.text, reply.finish
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        finish = choice.get("finish_reason")
+        completion = usage.get("completion_tokens")
+        if completion is None and reply.content_chunks is not None:
+            completion = reply.content_chunks  # a server without include_usage: ~one token per chunk
         parsed, error = (None, None)
         if req.json_schema is not None or text:
             parsed, error = parse_structured(text, req.json_schema)
@@ -249,61 +362,68 @@ class OpenAIBackend(BackendBase):
             raw_text=text,
             error=error,
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
+            completion_tokens=int(completion or 0),
             cached_tokens=None if cached is None else int(cached),
             latency_s=latency,
             attempts=attempts,
             finish_reason=finish,
         )
 
-    # -- batch --------------------------------------------------------------------------------
-    async def agenerate(self, requests: list[ChatRequest]) -> list[ChatResult]:
+    # -- many requests --------------------------------------------------------------------------
+    async def agenerate_each(self, requests: list[ChatRequest], on_result: OnResult) -> None:
+        """Keep up to `max_concurrency` requests in flight; hand each result over as it finishes."""
         if not requests:
-            return []
+            return
         _ = self.model_name  # resolve before fanning out
-        self._gone: LLMEndpointError | None = None
-        sem = asyncio.Semaphore(self.max_concurrency)
+        self._gone = None
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        timeout = httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            tasks = [asyncio.ensure_future(self._one(client, sem, r)) for r in requests]
+        queue: deque[ChatRequest] = deque(requests)
+        running: dict[asyncio.Task, ChatRequest] = {}
+        error: BaseException | None = None
+        failed = 0
+        async with httpx.AsyncClient(limits=limits) as client:
             try:
-                # Every request runs to its own end (each bounded by its retries), so results that did
-                # succeed are handed back with the error instead of being thrown away.
-                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-            except BaseException:  # cancelled / interrupted: stop the rest
-                for t in tasks:
+                while running or (queue and error is None):
+                    while queue and error is None and len(running) < self.max_concurrency:
+                        r = queue.popleft()
+                        running[asyncio.ensure_future(self._one(client, r))] = r
+                    finished, _pending = await asyncio.wait(list(running), return_when=asyncio.FIRST_COMPLETED)
+                    for t in finished:
+                        r = running.pop(t)
+                        exc = t.exception()
+                        if exc is not None:
+                            failed += isinstance(exc, LLMEndpointError)
+                            error = error or exc
+                            continue
+                        follow = on_result(r, t.result()) or []
+                        queue.extendleft(reversed(follow))  # retries next: their prefix is still cached
+            except BaseException:  # cancelled / interrupted / the callback failed: stop the rest
+                for t in running:
                     t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*running, return_exceptions=True)
                 raise
-        for o in outcomes:
-            if isinstance(o, BaseException) and not isinstance(o, LLMEndpointError):
-                raise o
-        failed = [o for o in outcomes if isinstance(o, LLMEndpointError)]
-        if failed:
-            err = failed[0]
-            err.partial_results = [None if isinstance(o, BaseException) else o for o in outcomes]
-            err.failed_requests = len(failed)
-            raise err
-        return list(outcomes)
+        if error is not None:
+            if isinstance(error, LLMEndpointError):
+                error.failed_requests = failed  # type: ignore[attr-defined]
+                error.unsent_requests = len(queue)  # type: ignore[attr-defined]
+            raise error
+
+    def generate_each(self, requests: list[ChatRequest], on_result: OnResult) -> None:
+        _run_sync(lambda: self.agenerate_each(requests, on_result))
+
+    async def agenerate(self, requests: list[ChatRequest]) -> list[ChatResult]:
+        index = {id(r): i for i, r in enumerate(requests)}
+        out: list[ChatResult | None] = [None] * len(requests)
+
+        def keep(req: ChatRequest, res: ChatResult) -> None:
+            out[index[id(req)]] = res
+
+        try:
+            await self.agenerate_each(requests, keep)
+        except LLMEndpointError as err:
+            err.partial_results = list(out)  # type: ignore[attr-defined]
+            raise
+        return list(out)  # type: ignore[arg-type]
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.agenerate(requests))
-        # Called from inside a running event loop: run ours on a helper thread.
-        box: dict[str, Any] = {}
-
-        def runner() -> None:
-            try:
-                box["v"] = asyncio.run(self.agenerate(requests))
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                box["e"] = exc
-
-        th = threading.Thread(target=runner, daemon=True)
-        th.start()
-        th.join()
-        if "e" in box:
-            raise box["e"]
-        return box["v"]
+        return _run_sync(lambda: self.agenerate(requests))

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMError
+from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMError, OnResult
 from qumem_pipeline.llm.openai_backend import OpenAIBackend
 
 
@@ -105,6 +105,7 @@ class VLLMManagedBackend(BackendBase):
         except BaseException:
             self.close()
             raise
+        openai_config.setdefault("timeout_env_kind", "vllm-managed")  # QUMEM_LLM_VLLM_MANAGED_TIMEOUT_S & co.
         self._client = OpenAIBackend(base_url=self.base_url, model=self.served_model_name, seed=seed, **openai_config)
         self.model_name = self.served_model_name
 
@@ -128,6 +129,9 @@ class VLLMManagedBackend(BackendBase):
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
         return self._client.generate(requests)
+
+    def generate_each(self, requests: list[ChatRequest], on_result: OnResult) -> None:
+        self._client.generate_each(requests, on_result)
 
     def close(self) -> None:
         proc, self.proc = getattr(self, "proc", None), None

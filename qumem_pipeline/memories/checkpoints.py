@@ -2,7 +2,8 @@
 
 Every finished (episode, memory type) call — memories parsed, or quarantined after its retry —
 is appended to `<data>/memory_checkpoints/user_id=<id>/batch-<run>-<n>.parquet` (temp file +
-rename) right after its batch. A rerun loads them and sends only the missing calls to the LLM.
+rename) as it finishes (`record`, flushed within a second or a few dozen calls; `flush` on
+failure). A rerun loads them and sends only the missing calls to the LLM.
 The key hashes the exact prompt (episode transcript, type instruction, system text), the prompt
 version, the model id and max_tokens, so a changed episode, prompt or model is recomputed, never
 served stale. When a user's memories are written, `compact` folds the batches into one
@@ -21,6 +22,7 @@ from typing import Any
 
 import polars as pl
 
+from qumem_pipeline.memories.recording import BufferedRecorder
 from qumem_pipeline.storage.layout import PART_FILE, TMP_PREFIX, DataLayout, atomic_write_parquet
 
 TABLE = "memory_checkpoints"
@@ -81,8 +83,9 @@ class CallOutcome:
         )
 
 
-class CheckpointStore:
-    """Append-only per-user checkpoint files under the data root."""
+class CheckpointStore(BufferedRecorder):
+    """Append-only per-user checkpoint files under the data root; `record`/`flush` (BufferedRecorder)
+    take one finished call at a time and write them in small groups through `append`."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.layout = DataLayout(root)

@@ -7,7 +7,7 @@ A memory's temporal position is its latest evidence turn, and `valid_from` that 
 Prompts are *prefix-shared*: the system text and the episode transcript (turns numbered by their
 turn ids) come first and are byte-identical across the three calls; the type-specific instruction
 comes last, so a prefix cache (vLLM's, on by default) prefills an episode once for three calls.
-The whole run's episodes (all users) go to the backend as one batch.
+The whole run's episodes (all users) go to the backend as one continuous stream of calls.
 
 Nothing here imports Dagster; the memories asset calls `decompose_episodes`.
 """
@@ -24,8 +24,7 @@ from typing import Any
 import polars as pl
 
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
-from qumem_pipeline.runtime.faults import fault_point
-from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError
+from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError, generate_each
 from qumem_pipeline.contracts.stage_versions import stage_version
 
 MEMORY_TYPES = ("fact", "preference", "insight")
@@ -415,17 +414,22 @@ def decompose_episodes(
 ) -> DecomposeOutput:
     """Decompose every episode (all users); retry bad output once, then quarantine.
 
-    `progress(done, total)` is called after each batch with the LLM calls sent so far (the
+    The calls go to the backend continuously (`generate_each`: a bounded number in flight, the
+    backend's concurrency, each slot refilled the moment its call finishes), so no call waits for
+    the slowest of a batch. Each finished call is handed to `checkpoint.record` as it finishes
+    (the store writes them within a second or a few dozen calls) and the store is flushed before
+    this returns or raises, so an endpoint failure loses no answered call. With a `checkpoint`,
+    calls finished by an earlier (crashed or failed) run are restored, not repeated. The tables
+    come out in (episode, type) order whatever the completion order, so a resumed run equals an
+    uninterrupted one. `batch_episodes` is accepted for older callers and no longer used.
+
+    `progress(done, total)` is called after each finished call with the calls sent so far (the
     calls restored from a checkpoint are not counted: they cost nothing).
 
-    With a `checkpoint`, calls finished by an earlier (crashed or failed) run are restored, not
-    repeated, and the calls go to the backend in batches of `batch_episodes` episodes, each batch's
-    finished calls checkpointed before the next starts. Without one, everything is one batch.
-    The tables come out in episode order either way, so a resumed run equals an uninterrupted one.
-
-    Raises `LLMEndpointError` when the endpoint stays unreachable after the backend's retries;
-    the calls that did finish are checkpointed first.
+    Raises `LLMEndpointError` when the endpoint stays unreachable after the backend's retries,
+    after every call that did finish is checkpointed (`exc.finished_outcomes`).
     """
+    del batch_episodes  # the old checkpoint-batch size: calls are now submitted continuously
     if created_at.tzinfo is None:
         created_at = created_at.replace(tzinfo=timezone.utc)
     eps = [coerce_episode(e) for e in episodes]
@@ -447,27 +451,29 @@ def decompose_episodes(
         else:
             todo.append(req)
 
-    per_batch = len(todo) if checkpoint is None or not batch_episodes else max(1, batch_episodes) * len(types)
-    for start in range(0, len(todo), max(1, per_batch)):
-        batch = todo[start : start + per_batch]
-        try:
-            fresh = run.run_batch(batch)
-        except LLMError as exc:
-            if checkpoint is not None and getattr(exc, "finished_outcomes", None):
-                checkpoint.append(exc.finished_outcomes)
-            raise
-        if checkpoint is not None:
-            checkpoint.append(fresh)
-        outcomes.update((o.key, o) for o in fresh)
-        if progress is not None:
-            progress(min(start + per_batch, len(todo)), len(todo))
-        fault_point("decompose.batch")
+    fresh: list[CallOutcome] = []
 
+    def finished(o: CallOutcome) -> None:
+        outcomes[o.key] = o
+        fresh.append(o)
+        if checkpoint is not None:
+            checkpoint.record(o)
+        if progress is not None:
+            progress(len(fresh), len(todo))
+
+    try:
+        generate_each(backend, todo, lambda req, res: run.on_result(req, res, finished))
+    except LLMError as exc:
+        exc.finished_outcomes = list(fresh)  # type: ignore[attr-defined]
+        raise
+    finally:
+        if checkpoint is not None:
+            checkpoint.flush()  # what finished is on disk before this returns or raises
     return _assemble(eps, keys, outcomes, stats, code_version=code_version or stage_version("memories"))
 
 
 class _CallRunner:
-    """Sends one batch of first attempts, retries bad output once, and returns final outcomes."""
+    """Turns each finished request into a final outcome, or into its one retry after bad output."""
 
     def __init__(self, backend: LLMBackend, *, created_at: datetime, prompt_version: str,
                  by_key: dict[tuple[str, str], Episode]) -> None:
@@ -478,52 +484,34 @@ class _CallRunner:
         self.by_key = by_key
         self._prefix_fn = _prefix_tokens_fn(backend)
         self._prefix_cache: dict[tuple[str, str], int] = {}
+        self._first_rows: dict[str, dict[str, Any]] = {}  # call key -> ledger row of a retried first attempt
 
     def key_of(self, req: ChatRequest) -> str:
         md = req.metadata
         return call_key(md["user_id"], md["episode_id"], md["type"], req.messages, self.prompt_version,
                         self.model, req.max_tokens if md["attempt"] == 1 else md["first_max_tokens"])
 
-    def run_batch(self, batch: list[ChatRequest]) -> list[CallOutcome]:
-        done: list[CallOutcome] = []
-        first_rows: dict[str, dict[str, Any]] = {}
-        pending = batch
-        for attempt in (1, 2):
-            if not pending:
-                break
-            try:
-                results = self.backend.generate(pending)
-            except LLMError as exc:
-                partial = getattr(exc, "partial_results", None) or []
-                finished = []
-                for req, res in zip(pending, partial):
-                    if res is not None and (res.ok or attempt == 2):
-                        finished.append(self._finish(req, res, attempt, first_rows))
-                exc.finished_outcomes = done + finished  # type: ignore[attr-defined]
-                raise
-            if len(results) != len(pending):
-                raise RuntimeError(f"backend returned {len(results)} results for {len(pending)} requests")
-            retry: list[ChatRequest] = []
-            for req, res in zip(pending, results):
-                if res.ok or attempt == 2:
-                    done.append(self._finish(req, res, attempt, first_rows))
-                    continue
-                md = req.metadata
-                first_rows[self.key_of(req)] = self._ledger_row(req, res, attempt, "retried")
-                new_tokens = req.max_tokens * 2 if res.error_kind == "length" else req.max_tokens
-                retry.append(ChatRequest(
-                    request_id=_request_id(self.by_key[(md["user_id"], md["episode_id"])], md["type"], 2),
-                    messages=req.messages, json_schema=req.json_schema, constraint_schema=req.constraint_schema,
-                    max_tokens=new_tokens, schema_name=req.schema_name,
-                    metadata={**md, "attempt": 2, "first_error": res.error, "first_max_tokens": req.max_tokens},
-                ))
-            pending = retry
-        return done
+    def on_result(self, req: ChatRequest, res: ChatResult,
+                  finished: Callable[[CallOutcome], None]) -> list[ChatRequest] | None:
+        """A final outcome goes to `finished`; bad first output becomes one retry request."""
+        md = req.metadata
+        attempt = md["attempt"]
+        if res.ok or attempt == 2:
+            finished(self._finish(req, res, attempt, self._first_rows))
+            return None
+        self._first_rows[self.key_of(req)] = self._ledger_row(req, res, attempt, "retried")
+        new_tokens = req.max_tokens * 2 if res.error_kind == "length" else req.max_tokens
+        return [ChatRequest(
+            request_id=_request_id(self.by_key[(md["user_id"], md["episode_id"])], md["type"], 2),
+            messages=req.messages, json_schema=req.json_schema, constraint_schema=req.constraint_schema,
+            max_tokens=new_tokens, schema_name=req.schema_name,
+            metadata={**md, "attempt": 2, "first_error": res.error, "first_max_tokens": req.max_tokens},
+        )]
 
     def _finish(self, req: ChatRequest, res: ChatResult, attempt: int, first_rows: dict) -> CallOutcome:
         md = req.metadata
         key = self.key_of(req)
-        ledger = [first_rows[key]] if attempt == 2 else []
+        ledger = [first_rows.pop(key)] if attempt == 2 else []
         quarantine = None
         if res.ok:
             ledger.append(self._ledger_row(req, res, attempt, "ok"))

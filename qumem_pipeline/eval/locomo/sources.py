@@ -44,47 +44,64 @@ def build_episodes(convs: list[Conversation], artifact_dir: str | None = None, d
 
 
 def decompose_conversation(conv: Conversation, episodes_by_user: dict[str, pl.DataFrame], backend, *,
-                           max_tokens: int = 384, layout=None, log=None) -> list[pl.DataFrame]:
-    """Typed memories of every speaker of one conversation (one memories frame per decomposed user).
-
-    Each user's table is written (atomically, in the pipeline's layout) as soon as it is done when a
-    ``DataLayout`` is given, so a long run on a slow backend leaves usable partial output.
-    """
-    from datetime import datetime, timezone
-
-    from qumem_pipeline.memories.decompose import decompose_episodes
-
-    log = log or (lambda msg: None)
-    frames = []
-    for u in conv.user_ids:
-        eps = episodes_by_user.get(u)
-        turns = (conv.turns_by_user or {}).get(u)
-        if eps is None or turns is None or eps.height == 0:
-            continue
-        by_index = {r["turn_index"]: r for r in turns.iter_rows(named=True)}
-        inputs = [{"user_id": u, "episode_id": e["episode_id"], "turns": [by_index[t] for t in e["turn_ids"]]}
-                  for e in eps.iter_rows(named=True)]
-        t0 = time.perf_counter()
-        out = decompose_episodes(inputs, backend, created_at=datetime.now(timezone.utc), max_tokens=max_tokens)
-        log(f"[locomo] decomposed {u}: {len(inputs)} episodes, {out.summary['llm_calls']} calls, "
-            f"{out.memories.height} memories, {out.quarantine.height} quarantined ({time.perf_counter() - t0:.0f}s)")
-        if layout is not None:
-            layout.write_user_table("memories", u, out.memories)
-            layout.write_user_table("llm_ledger", u, out.ledger)
-        frames.append(out.memories)
-    return frames
+                           max_tokens: int = 384, layout=None, log=None, checkpoint_root=None) -> list[pl.DataFrame]:
+    """Typed memories of every speaker of one conversation (one memories frame per decomposed user)."""
+    return _decompose(
+        [conv], episodes_by_user, backend, max_tokens=max_tokens, layout=layout, log=log, checkpoint_root=checkpoint_root)
 
 
 def decompose_memories(convs: list[Conversation], episodes_by_user: dict[str, pl.DataFrame], backend,
                        out_root: str | os.PathLike | None = None, max_tokens: int = 384, log=None) -> pl.DataFrame:
     """Typed memories of every speaker of these conversations, by the pipeline's decomposition step;
-    with ``out_root``, written per user as done, so ``--memories OUT_ROOT`` can score it again without the LLM."""
+    with ``out_root``, written per user, so ``--memories OUT_ROOT`` can score it again without the LLM."""
     from qumem_pipeline.storage.layout import DataLayout
 
     layout = DataLayout(out_root) if out_root is not None else None
-    frames = [f for c in convs
-              for f in decompose_conversation(c, episodes_by_user, backend, max_tokens=max_tokens, layout=layout, log=log)]
+    frames = _decompose(convs, episodes_by_user, backend, max_tokens=max_tokens, layout=layout, log=log,
+                        checkpoint_root=out_root)
     return pl.concat(frames) if frames else pl.DataFrame()
+
+
+def _decompose(convs, episodes_by_user, backend, *, max_tokens, layout, log, checkpoint_root) -> list[pl.DataFrame]:
+    """All speakers' calls as one continuous stream, every finished call checkpointed as it finishes
+    (under ``checkpoint_root``, else the cache): a failure loses no answered call, a rerun repeats none,
+    and no speaker's slowest call holds back the next speaker's."""
+    from datetime import datetime, timezone
+
+    from qumem_pipeline.memories.checkpoints import CheckpointStore
+    from qumem_pipeline.memories.decompose import decompose_episodes
+
+    log = log or (lambda msg: None)
+    store = CheckpointStore(checkpoint_root if checkpoint_root is not None else
+                            os.path.join(os.environ.get("QUMEM_CACHE_DIR", ".cache"), "locomo_decompose"))
+    inputs, users = [], []
+    for conv in convs:
+        for u in conv.user_ids:
+            eps = episodes_by_user.get(u)
+            turns = (conv.turns_by_user or {}).get(u)
+            if eps is None or turns is None or eps.height == 0:
+                continue
+            by_index = {r["turn_index"]: r for r in turns.iter_rows(named=True)}
+            inputs += [{"user_id": u, "episode_id": e["episode_id"], "turns": [by_index[t] for t in e["turn_ids"]]}
+                       for e in eps.iter_rows(named=True)]
+            users.append(u)
+    if not inputs:
+        return []
+    t0 = time.perf_counter()
+    out = decompose_episodes(inputs, backend, created_at=datetime.now(timezone.utc), max_tokens=max_tokens,
+                             checkpoint=store)
+    log(f"[locomo] decomposed {len(users)} speakers: {len(inputs)} episodes, {out.summary['llm_calls']} calls "
+        f"({out.stats.reused_calls} from checkpoints), {out.memories.height} memories, {out.quarantine.height} "
+        f"quarantined ({time.perf_counter() - t0:.0f}s)")
+    frames = []
+    for u in users:
+        mem = out.memories.filter(pl.col("user_id") == u)
+        if layout is not None:
+            layout.write_user_table("memories", u, mem)
+            layout.write_user_table("llm_ledger", u, out.ledger.filter(pl.col("user_id") == u))
+        store.compact(u, out.call_keys_by_user.get(u, set()))
+        frames.append(mem)
+    return frames
 
 
 def make_backend(llm_kind: str | None):
