@@ -104,7 +104,7 @@ def register_users(instance, defs) -> list[str]:
 def run_job(instance, defs, job_name: str, users: list[str], per_run: int) -> list[str]:
     """Run `job_name` over `users` in contiguous partition ranges of at most `per_run` users."""
     from assets.partitions import users_partitions
-    from assets.recovery import fail_dead_runs
+    from assets.recovery import fail_dead_runs, launch_tags
 
     for run_id in fail_dead_runs(instance):  # a killed earlier run would hold its pool slots forever
         print(f"[{job_name}] marked run {run_id} failed: its process was killed", flush=True)
@@ -126,7 +126,8 @@ def run_job(instance, defs, job_name: str, users: list[str], per_run: int) -> li
         print(f"[{job_name}] run {i}/{len(chunks)}: {len(chunk)} users ({chunk[0]} .. {chunk[-1]})", flush=True)
         result = job.execute_in_process(
             instance=instance,
-            tags={"dagster/asset_partition_range_start": chunk[0], "dagster/asset_partition_range_end": chunk[-1]},
+            tags={"dagster/asset_partition_range_start": chunk[0], "dagster/asset_partition_range_end": chunk[-1],
+                  **launch_tags()},  # who runs it, so recovery on a shared instance fails only provably dead runs
             raise_on_error=True,
         )
         run_ids.append(result.run_id)
