@@ -55,10 +55,8 @@ def one_config(n: int, batch_size: int, tmp: Path) -> dict:
         cur.execute(f'CREATE DATABASE "{name}"')
     saved = os.environ.get("DAGSTER_PG_DB")
     os.environ["DAGSTER_PG_DB"] = name
-    if batch_size:
-        os.environ["DAGSTER_EVENT_BATCH_SIZE"] = str(batch_size)
-    else:
-        os.environ.pop("DAGSTER_EVENT_BATCH_SIZE", None)
+    # "0" explicitly: deploy/postgres/dagster.yaml's storage turns batching on unless the variable is set
+    os.environ["DAGSTER_EVENT_BATCH_SIZE"] = str(batch_size)
     home = tmp / name
     home.mkdir()
     install_instance_config(home / "dagster.yaml", source=REPO_ROOT / "deploy" / "postgres" / "dagster.yaml")
