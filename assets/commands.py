@@ -41,45 +41,33 @@ def _defs():
 
 
 def register_users(instance, defs) -> list[str]:
-    """Discover users in the configured archive and add new ones as partitions."""
-    from assets.partitions import users_partitions
+    """Discover users in the configured archive and register the new ones (both partition schemes)."""
+    from assets.partitions import register_users as register
     from qumem_pipeline.ingest.discovery import discover
 
     pipeline = defs.resources["pipeline"]
     found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
-    existing = set(instance.get_dynamic_partitions(users_partitions.name))
-    new = [u for u in sorted(found.fingerprints) if u not in existing]
-    if new:
-        instance.add_dynamic_partitions(users_partitions.name, new)
+    register(instance, sorted(found.fingerprints))
     return sorted(found.fingerprints)
 
 
 def run_job(instance, defs, job_name: str, users: list[str], per_run: int) -> list[str]:
-    """Run `job_name` over `users` in contiguous partition ranges of at most `per_run` users."""
-    from assets.partitions import users_partitions
-    from assets.recovery import fail_dead_runs
+    """Run `job_name` over `users` in runs of at most `per_run` users (contiguous user ranges, or
+    bucket ranges naming their users: assets/planning.py)."""
+    from assets.partitions import registered_users
+    from assets.planning import pack_runs
+    from assets.recovery import fail_dead_runs, launch_tags
 
     for run_id in fail_dead_runs(instance):  # a killed earlier run would hold its pool slots forever
         print(f"[{job_name}] marked run {run_id} failed: its process was killed", flush=True)
-    wanted = set(users)
-    ordered = [k for k in instance.get_dynamic_partitions(users_partitions.name) if k in wanted]
     job = defs.resolve_job_def(job_name)
+    runs = pack_runs(instance, registered_users(instance), set(users), per_run)
     run_ids = []
-    keys = instance.get_dynamic_partitions(users_partitions.name)
-    pos = {k: i for i, k in enumerate(keys)}
-    chunks, current = [], []
-    for u in ordered:  # a range must be contiguous in partition order
-        if current and (len(current) >= per_run or pos[u] != pos[current[-1]] + 1):
-            chunks.append(current)
-            current = []
-        current.append(u)
-    if current:
-        chunks.append(current)
-    for i, chunk in enumerate(chunks, start=1):
-        print(f"[{job_name}] run {i}/{len(chunks)}: {len(chunk)} users ({chunk[0]} .. {chunk[-1]})", flush=True)
+    for i, run in enumerate(runs, start=1):
+        print(f"[{job_name}] run {i}/{len(runs)}: {len(run.users)} users ({run.users[0]} .. {run.users[-1]})", flush=True)
         result = job.execute_in_process(
             instance=instance,
-            tags={"dagster/asset_partition_range_start": chunk[0], "dagster/asset_partition_range_end": chunk[-1]},
+            tags={**run.tags, **launch_tags()},  # who runs it, so recovery on a shared instance fails only provably dead runs
             raise_on_error=True,
         )
         run_ids.append(result.run_id)
@@ -140,10 +128,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_users(args: argparse.Namespace) -> int:
-    from assets.partitions import users_partitions
+    from assets.partitions import registered_users
 
     instance = _instance()
-    for u in instance.get_dynamic_partitions(users_partitions.name):
+    for u in registered_users(instance):
         print(u)
     return 0
 

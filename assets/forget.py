@@ -1,6 +1,6 @@
 import dagster as dg
 
-from assets.partitions import users_partitions
+from assets.partitions import USER_REGISTRY
 from qumem_pipeline.storage.forget import forget_user
 from qumem_pipeline.contracts.ids import validate_user_id
 from resources import PipelineConfig
@@ -14,8 +14,8 @@ class ForgetConfig(dg.Config):
 def forget_user_op(context: dg.OpExecutionContext, config: ForgetConfig, pipeline: PipelineConfig) -> dg.Output:
     user_id = validate_user_id(config.user_id)
     report = forget_user(pipeline.data_root, pipeline.warehouse().path, user_id)
-    if context.instance.has_dynamic_partition(users_partitions.name, user_id):
-        context.instance.delete_dynamic_partition(users_partitions.name, user_id)
+    if context.instance.has_dynamic_partition(USER_REGISTRY, user_id):
+        context.instance.delete_dynamic_partition(USER_REGISTRY, user_id)
     # Counts only: user content never goes into Dagster's event log.
     return dg.Output(
         None,

@@ -5,7 +5,6 @@ end-to-end assertions; the forget test runs last because it deletes a user from 
 """
 
 import importlib
-import json
 
 import dagster as dg
 import duckdb
@@ -240,26 +239,6 @@ def test_rerun_converges(pipeline_run):
         assert con.execute("SELECT count(*) FROM turns WHERE user_id='alice'").fetchone()[0] == 4
     assert before["episode_id"].n_unique() == before.height
     assert not list(data_root.rglob(".tmp-*"))
-
-
-def test_sensor_registers_new_users_and_requests_runs_for_changes(dagster_env, small_archive):
-    _, set_archive = dagster_env
-    set_archive(small_archive)
-    defs = load_defs()
-    instance = dg.DagsterInstance.ephemeral()
-    sensor = defs.resolve_sensor_def("user_discovery_sensor")
-    res = sensor(dg.build_sensor_context(instance=instance, resources={"pipeline": defs.resources["pipeline"]}))
-    assert sorted(res.dynamic_partitions_requests[0].partition_keys) == ["alice", "bob", "chen"]
-    assert sorted(r.partition_key for r in res.run_requests) == ["alice", "bob", "chen"]
-    cursor = res.cursor
-    res2 = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"pipeline": defs.resources["pipeline"]}))
-    assert res2.run_requests == [] and res2.dynamic_partitions_requests == []
-    write_jsonl(small_archive / "c.jsonl", conversation("bob", "c9", ["New puppy!", "Congrats"], start="2024-05-01T00:00:00Z")
-                + conversation("dana", "c10", ["Hi", "Hello"]))
-    res3 = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"pipeline": defs.resources["pipeline"]}))
-    assert sorted(r.partition_key for r in res3.run_requests) == ["bob", "dana"]
-    assert res3.dynamic_partitions_requests[0].partition_keys == ["dana"]
-    assert json.loads(res3.cursor).keys() == {"alice", "bob", "chen", "dana"}
 
 
 def test_forget_rejects_malicious_id(dagster_env, small_archive):

@@ -164,3 +164,68 @@ def test_failed_index_write_leaves_no_run_rows_for_dagsters_fallback(batched, mo
         storage.store_event(e)
     assert len(batched.all_logs(result.run_id)) == before + 3
     assert len(storage.get_event_tags_for_asset(good.key)) >= index_before
+
+
+# --- the PostgreSQL instance (deploy/postgres/dagster.yaml): the same equivalence, batched vs not ---
+
+@pytest.fixture
+def pg_home(tmp_path, monkeypatch):
+    """Make homes on fresh PostgreSQL databases (dropped afterwards) from deploy/postgres/dagster.yaml."""
+    import os
+    import uuid
+
+    from tests.conftest import REPO_ROOT
+    from tests.test_postgres_instance import _connect
+
+    if not os.environ.get("DAGSTER_PG_HOST"):
+        pytest.skip("DAGSTER_PG_HOST is not set (eval \"$(bash scripts/install_system_deps.sh)\")")
+    admin = _connect(os.environ["DAGSTER_PG_DB"])
+    admin.autocommit = True
+    made = []
+
+    def make(label: str):
+        name = f"qumem_test_{label}_{uuid.uuid4().hex[:8]}"
+        with admin.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+        made.append(name)
+        home = tmp_path / name
+        home.mkdir()
+        install_instance_config(home / "dagster.yaml", source=REPO_ROOT / "deploy" / "postgres" / "dagster.yaml")
+        monkeypatch.setenv("DAGSTER_PG_DB", name)
+        return dg.DagsterInstance.from_config(str(home))
+
+    yield make
+    with admin.cursor() as cur:
+        for name in made:
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.close()
+
+
+def test_postgres_batched_writes_record_exactly_what_unbatched_writes_record(pg_home, monkeypatch):
+    import os
+
+    from dagster_postgres import PostgresEventLogStorage
+
+    from resources.event_log import BatchedPostgresEventLogStorage
+
+    monkeypatch.setenv(BATCH_SIZE_ENV, "0")  # Dagster's default: every event stored alone
+    with pg_home("unbatched") as plain:
+        _runs(plain)
+        want = _recorded(plain)
+    monkeypatch.delenv(BATCH_SIZE_ENV)
+    batches = []  # (event types, size) of every batch the storage was handed: proof the batched paths ran
+    ours = BatchedPostgresEventLogStorage.store_event_batch
+    monkeypatch.setattr(BatchedPostgresEventLogStorage, "store_event_batch", lambda self, events: (
+        batches.append(({e.dagster_event_type for e in events}, len(events))), ours(self, events))[1])
+    with pg_home("batched") as batched_pg:
+        assert isinstance(batched_pg.event_log_storage, BatchedPostgresEventLogStorage)
+        assert isinstance(batched_pg.event_log_storage, PostgresEventLogStorage)
+        assert os.environ[BATCH_SIZE_ENV] == "1000"  # the storage switched batching on
+        _runs(batched_pg)
+        got = _recorded(batched_pg)
+    for kind in (dg.DagsterEventType.ASSET_MATERIALIZATION, dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED):
+        assert max(n for types, n in batches if types == {kind}) > 1, batches
+    assert got == want
+    assert got["status"]["good"] == {"ann": "MATERIALIZED", "ben": "MATERIALIZED", "cal": "MATERIALIZED", "dee": "FAILED"}
+    assert got["metadata"]["good"]["ann"] == {"users": 3, "user_rows": 3}
+    assert got["unfinished"]["downstream"] == {"ben": 1, "cal": 1, "dee": 2}

@@ -13,6 +13,7 @@ from tests.conftest import REPO_ROOT
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 VLLM_POOL = REPO_ROOT / "deploy" / "k8s" / "vllm-pool.yaml"
+PIPELINE = REPO_ROOT / "deploy" / "k8s" / "pipeline.yaml"
 
 
 
@@ -41,7 +42,9 @@ def test_multiprocess_executor_runs_two_users_in_separate_processes(tmp_path, da
 
 
 def _pool_manifest() -> dict:
-    return {doc["kind"]: doc for doc in yaml.safe_load_all(VLLM_POOL.read_text())}
+    """The vLLM pool and the pipeline's ConfigMap (the only object of each kind across both files)."""
+    docs = [*yaml.safe_load_all(VLLM_POOL.read_text()), *yaml.safe_load_all(PIPELINE.read_text())]
+    return {doc["kind"]: doc for doc in docs if doc["kind"] != "PersistentVolumeClaim"}
 
 
 @pytest.fixture
@@ -69,15 +72,15 @@ def test_k8s_executor_configuration_loads_with_gpu_requests(k8s_defs):
         assert job.executor_def.name == "qumem_k8s"
         dg.validate_run_config(job)  # the baked-in executor config against dagster-k8s's schema
     # GPU for the in-process model steps of the gpu pool; the LLM-only step calls the vLLM pool.
-    per_step = k8s_defs.EXECUTOR_CONFIG["per_step_k8s_config"]
+    per_step = {k: v for k, v in k8s_defs.EXECUTOR_CONFIG["per_step_k8s_config"].items() if v is k8s_defs.GPU_STEP}
     assert sorted(per_step) == ["episodes", "memory_embeddings", "memory_indexes", "persona_profiles", "query_states"]
     graph = defs.resolve_asset_graph()
     assert graph.get(dg.AssetKey("memories")).pools == {"gpu"} and "memories" not in per_step
-    for step_cfg in [*per_step.values(), k8s_defs.EXECUTOR_CONFIG["step_k8s_config"]]:
+    for step_cfg in [*k8s_defs.EXECUTOR_CONFIG["per_step_k8s_config"].values(), k8s_defs.EXECUTOR_CONFIG["step_k8s_config"]]:
         UserDefinedDagsterK8sConfig.from_dict(step_cfg)
         container = k8s_model_from_dict(V1Container, {"name": "step", **step_cfg["container_config"]})
         k8s_model_from_dict(V1PodSpec, {"containers": [{"name": "step"}], **step_cfg.get("pod_spec_config", {})})
-        gpus = (container.resources.requests or {}).get("nvidia.com/gpu")
+        gpus = ((container.resources.requests if container.resources else None) or {}).get("nvidia.com/gpu")
         assert gpus == ("1" if step_cfg in per_step.values() else None)
     assert k8s_defs.EXECUTOR_CONFIG["env_config_maps"] == [_pool_manifest()["ConfigMap"]["metadata"]["name"]]
 

@@ -1,0 +1,105 @@
+"""Discovery sensor: real sensor evaluations against real `turns` runs, in both partition schemes.
+
+New or changed users are packed into range runs of at most users_per_run; the cursor is one
+digest (state lives in the instance), and an unchanged archive requests nothing.
+"""
+
+import json
+
+import dagster as dg
+import pytest
+
+from tests.conftest import conversation, local_instance, write_jsonl
+from tests.schemes import partition_scheme
+
+RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
+
+
+def _archive(path, users: dict[str, list[str]]):
+    write_jsonl(path / "a.jsonl", [r for u, texts in users.items() for r in conversation(u, f"{u}-c1", texts)])
+
+
+BASE = {"alice": ["I like tea.", "Noted.", "Green tea mostly.", "OK."],
+        "bob": ["My dog is sick.", "Sorry.", "The vet says rest.", "Good."],
+        "chen": ["I play piano.", "Nice!", "Scales are hard.", "Keep going."]}
+
+
+@pytest.fixture(params=["users", "user_buckets"])
+def scheme(request):
+    with partition_scheme(request.param, buckets=4) as modules:  # alice: b001, dan: b001, bob+chen: b002
+        yield request.param, modules
+
+
+def _users_of(request, instance, modules) -> list[str]:
+    """The users a requested run will process: what users_for_run resolves from its tags."""
+    p = modules["assets.partitions"]
+    digest = request.tags.get(p.RUN_USERS_TAG)
+    if digest:
+        return sorted(json.loads(instance.run_storage.get_cursor_values({p.RUN_USERS_KV_PREFIX + digest})
+                                 [p.RUN_USERS_KV_PREFIX + digest]))
+    order = p.registered_users(instance)
+    if request.partition_key:
+        return [request.partition_key]
+    return order[order.index(request.tags[RANGE_START]): order.index(request.tags[RANGE_END]) + 1]
+
+
+def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme):
+    name, modules = scheme
+    turns = modules["assets.ingest"].turns
+    partitions = modules["assets.partitions"]
+    from resources import PipelineConfig
+
+    archive = tmp_path / "archive"
+    _archive(archive, BASE)
+    pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
+    job = dg.define_asset_job("turns_only", selection=[turns], partitions_def=partitions.users_partitions)
+    defs = dg.Definitions(assets=[turns], jobs=[job], resources={"pipeline": pipeline})
+    sensor = modules["assets.sensors"].build_discovery_sensor(job_name="turns_only", users_per_run=2)
+
+    with local_instance(tmp_path / "home") as instance:
+        def tick(cursor=None):
+            res = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"pipeline": pipeline}))
+            if isinstance(res, dg.SensorResult):
+                for req in res.dynamic_partitions_requests:  # what the sensor daemon applies
+                    instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+            return res
+
+        def execute(req):
+            tags = dict(req.tags)
+            if req.partition_key:
+                tags["dagster/partition"] = req.partition_key
+            result = defs.resolve_job_def("turns_only").execute_in_process(instance=instance, tags=tags)
+            assert result.success
+            return {m.partition for m in result.get_asset_materialization_events()}, \
+                result.get_asset_materialization_events()[0].materialization.metadata["users"].value
+
+        first = tick()
+        assert first.dynamic_partitions_requests[0].partition_keys == ["alice", "bob", "chen"]
+        runs = [_users_of(r, instance, modules) for r in first.run_requests]
+        assert sorted(u for users in runs for u in users) == ["alice", "bob", "chen"]
+        assert all(1 <= len(users) <= 2 for users in runs) and len(runs) == 2
+        assert len(first.cursor) == 64  # a digest, not per-user state
+        for r in first.run_requests:
+            execute(r)
+
+        assert isinstance(tick(first.cursor), dg.SkipReason)  # unchanged archive: nothing to do
+
+        # bob changes, dan arrives: exactly those two, never alice or chen
+        _archive(archive, dict(BASE, bob=BASE["bob"] + ["He is better now.", "Great."], dan=["New here.", "Welcome."]))
+        third = tick(first.cursor)
+        assert third.dynamic_partitions_requests[0].partition_keys == ["dan"]
+        runs = [_users_of(r, instance, modules) for r in third.run_requests]
+        if name == "users":  # chen sits between bob and dan in the registry order: two ranges
+            assert runs == [["bob"], ["dan"]]
+        else:  # one run over buckets b001..b002 naming its two users
+            assert runs == [["bob", "dan"]]
+            assert third.run_requests[0].tags[RANGE_START] == "b001" and third.run_requests[0].tags[RANGE_END] == "b002"
+        assert len(third.cursor) == 64
+        # re-evaluating before the runs land requests the same run keys (the daemon dedupes them)
+        assert [r.run_key for r in tick(first.cursor).run_requests] == [r.run_key for r in third.run_requests]
+        processed = 0
+        for r in third.run_requests:
+            _, users = execute(r)
+            processed += users
+        assert processed == 2  # the bucket run rebuilt its two users, not the buckets' other users
+        assert tick(first.cursor).run_requests == []  # built: nothing left to request
