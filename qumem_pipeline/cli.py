@@ -30,7 +30,7 @@ def _apply_common(args: argparse.Namespace) -> None:
                       ("data_root", "QUMEM_DATA_ROOT"), ("warehouse", "QUMEM_WAREHOUSE")):
         value = getattr(args, flag, None)
         if value:
-            os.environ[env] = str(Path(value).resolve()) if flag != "format" else value
+            os.environ[env] = str(Path(value).resolve()) if flag != "format" and "://" not in value else value
     if getattr(args, "strict", False):
         os.environ["QUMEM_STRICT"] = "1"
     if getattr(args, "users_per_run", None):
