@@ -45,8 +45,10 @@ def write_archive(directory: Path) -> Path:
     return path
 
 
-def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`qumem run` over the archive in `work`, data under `work/data`, Dagster home `work/home`."""
+def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout: float = 300,
+                 data_root: str | None = None) -> subprocess.CompletedProcess:
+    """`qumem run` over the archive in `work`, data under `work/data` (or `data_root`, e.g. s3://),
+    Dagster home `work/home`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUMEM_")}
     env.update({
         "PYTHONPATH": str(REPO_ROOT), "DAGSTER_HOME": str(work / "home"), "HF_HUB_OFFLINE": "1",
@@ -59,7 +61,7 @@ def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout:
     if kill_at:
         env["QUMEM_FAULT_KILL_AT"] = kill_at
     cmd = [sys.executable, "-m", "qumem_pipeline.cli", "run", "--archive", str(work / "archive" / "archive.jsonl"),
-           "--data-root", str(work / "data")]
+           "--data-root", data_root or str(work / "data")]
     return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -351,7 +351,8 @@ class TableStore:
         if grace is not None or retention_hours is None:
             removed += dt.vacuum(retention_hours=grace, dry_run=False, enforce_retention_duration=grace is None,
                                  full=True)
-        return removed
+        base = self.uri(table).rstrip("/") + "/"
+        return sorted({r[len(base):] if r.startswith(base) else r.lstrip("/") for r in removed})
 
     def expire_log(self, table: str) -> None:
         """Checkpoint the latest version and drop the older commit files (they name the users each
