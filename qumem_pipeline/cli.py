@@ -189,6 +189,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate_storage(args: argparse.Namespace) -> int:
+    from qumem_pipeline.storage.migrate import migrate_storage
+
+    _apply_common(args)
+    report = migrate_storage(args.old_root, os.environ.get("QUMEM_DATA_ROOT") or str(Path.cwd() / "data"))
+    print("\n".join(f"{t:<24}{r}" for t, r in report.items()) if not args.json else json.dumps(report))
+    return 0
+
+
 def cmd_users(args: argparse.Namespace) -> int:
     _apply_common(args)
     from assets.partitions import users_partitions
@@ -254,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="export", help="output directory (default ./export)")
     common(sp, archive=False)
     sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("migrate-storage", help="move a per-user Parquet data root into the Delta table store")
+    sp.add_argument("--from", dest="old_root", required=True, help="the old per-user Parquet data root")
+    common(sp, archive=False)
+    sp.set_defaults(func=cmd_migrate_storage)
 
     sp = sub.add_parser("users", help="list registered user partitions")
     sp.set_defaults(func=cmd_users)

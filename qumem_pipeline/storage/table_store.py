@@ -287,7 +287,7 @@ class TableStore:
         incoming = _normalise(template.select(data_cols).schema)
         target, new_cols = _evolve(table, table_schema, incoming)
         n = int(self._meta(dt)["user_buckets"]) if dt is not None else (self.n_buckets or DEFAULT_BUCKETS)
-        parts = [f.select([*data_cols, KEY]) for f in frames]
+        parts = [f.select([*(c for c in data_cols if c in f.columns), KEY]) for f in frames]
         if empty:
             parts.append(pl.DataFrame({KEY: empty}, schema={KEY: pl.String}))
         df = pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame(schema={KEY: pl.String})
