@@ -5,7 +5,7 @@ import time
 import dagster as dg
 import polars as pl
 
-from assets.check_results import check_result
+from assets.check_results import gate
 from assets.episodes import episodes
 from assets.ingest import turns
 from assets.memories import memories
@@ -45,17 +45,17 @@ def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig
     layout = pipeline.layout()
     t0 = time.perf_counter()
     mems = layout.read_table("memories", users)
-    if mems is None or len(layout.table_files("memories", users)) != len(users):
+    if mems is None or len(layout.users_present("memories", users)) != len(users):
         raise dg.Failure("materialize `memories` for every user of the run first")
     vectors = vectors_for(mems, layout.read_table("memory_embeddings", users), embedder.model)
     profiles = build_profiles(mems, vectors, llm.backend, previous=layout.read_table("persona_profiles", users))
-    for u in users:
-        layout.write_user_table("persona_profiles", u, profiles.filter(pl.col("user_id") == u))
     bad = uncited_profiles(profiles, mems)
     outcome = CheckOutcome(not bad, f"{len(bad)} profile entries cite no or unknown memories", {"violations": len(bad)})
+    check_results, _ = gate(context, {"profiles_cite_existing_memories": outcome},
+                            lambda: layout.replace_users("persona_profiles", users, profiles))
     merged = profiles.filter(pl.col("merged_by") == "llm").height
     return dg.MaterializeResult(
-        check_results=[check_result("profiles_cite_existing_memories", outcome)],
+        check_results=check_results,
         metadata={"users": len(users), "dagster/row_count": profiles.height, "llm_merges": merged,
                   "fallbacks": profiles.filter(pl.col("merged_by").str.starts_with("fallback")).height,
                   "prompt_version": PROFILE_PROMPT_VERSION, "seconds": round(time.perf_counter() - t0, 3),
@@ -84,14 +84,18 @@ def memory_graph(context: dg.AssetExecutionContext, pipeline: PipelineConfig) ->
         if t is None or e is None or m is None:
             raise dg.Failure(f"user {u}: materialize `turns`, `episodes` and `memories` first")
         nodes, edges = build_memory_graph(u, t, e, m, layout.read_user_table("persona_profiles", u))
-        layout.write_user_table(GRAPH_NODES, u, nodes)
-        layout.write_user_table(GRAPH_EDGES, u, edges)
         all_nodes.append(nodes)
         all_edges.append(edges)
     nodes, edges = pl.concat(all_nodes), pl.concat(all_edges)
+
+    def publish():
+        layout.replace_users(GRAPH_NODES, users, nodes)
+        layout.replace_users(GRAPH_EDGES, users, edges)
+
+    check_results, _ = gate(context, {"edge_endpoints_exist": graph_endpoints_exist(nodes, edges)}, publish)
     by_type = {t: int(n) for t, n in edges.group_by("edge_type").len().rows()}
     return dg.MaterializeResult(
-        check_results=[check_result("edge_endpoints_exist", graph_endpoints_exist(nodes, edges))],
+        check_results=check_results,
         metadata={"users": len(users), "nodes": nodes.height, "dagster/row_count": edges.height,
                   "edges_by_type": dg.MetadataValue.json({t: by_type.get(t, 0) for t in EDGE_TYPES}),
                   "seconds": round(time.perf_counter() - t0, 3), **version_metadata("memory_graph")},

@@ -1,4 +1,11 @@
-"""Domain check outcomes -> Dagster asset check results (one translation for every asset)."""
+"""Domain check outcomes -> Dagster asset check results, and the publish gate for blocking checks.
+
+Blocking checks run on the rows BEFORE they are committed: `gate` evaluates them and calls the
+write only when every one passed, so a failing check publishes nothing (the store keeps the
+previous version) and Dagster still records the failed checks, which stop downstream assets.
+"""
+
+from collections.abc import Callable
 
 import dagster as dg
 
@@ -8,3 +15,13 @@ from qumem_pipeline.contracts.checks import CheckOutcome
 def check_result(name: str, outcome: CheckOutcome) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(check_name=name, passed=outcome.passed,
                                description=outcome.description, metadata=outcome.metadata)
+
+
+def gate(context, outcomes: dict[str, CheckOutcome], publish: Callable[[], object]) -> tuple[list[dg.AssetCheckResult], bool]:
+    """Run `publish` only if every (blocking) check passed; returns the check results and whether it ran."""
+    failed = [n for n, o in outcomes.items() if not o.passed]
+    if failed:
+        context.log.error(f"blocking checks failed ({', '.join(failed)}): nothing written, the previous version stays")
+    else:
+        publish()
+    return [check_result(n, o) for n, o in outcomes.items()], not failed

@@ -4,7 +4,7 @@ import dagster as dg
 import polars as pl
 
 from assets.ingest import turns
-from assets.check_results import check_result
+from assets.check_results import gate
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from qumem_pipeline.contracts import checks
@@ -53,18 +53,15 @@ def episodes(
         token_budget=continuity.token_budget,
     )
     classify_s = time.perf_counter() - t1
-    for u, df in by_user.items():
-        layout.write_user_table("episodes", u, df)
     sizes = [n for df in by_user.values() for n in df["n_turns"].to_list()]
     coverage = checks.episodes_cover_turns(turns_by_user, by_user)
     schema_ok = checks.schema_conforms(
         next(iter(by_user.values())) if by_user else pl.DataFrame(schema=EPISODE_SCHEMA), EPISODE_SCHEMA, "episodes"
     )
+    check_results, _ = gate(context, {"every_turn_in_one_nonempty_episode": coverage, "schema_conforms": schema_ok},
+                            lambda: layout.replace_parts("episodes", by_user))
     return dg.MaterializeResult(
-        check_results=[
-            check_result("every_turn_in_one_nonempty_episode", coverage),
-            check_result("schema_conforms", schema_ok),
-        ],
+        check_results=check_results,
         metadata={
             "users": stats.users,
             "dagster/row_count": stats.episodes,

@@ -1,8 +1,9 @@
 import time
 
 import dagster as dg
+import polars as pl
 
-from assets.check_results import check_result
+from assets.check_results import gate
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from qumem_pipeline.contracts import checks
@@ -30,23 +31,26 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
     t0 = time.perf_counter()
     result = load_archive(pipeline.archive(), forgotten=pipeline.forgotten())
     layout = pipeline.layout()
-    layout.clean_temp_files()
-    stats = write_users(layout, result, users, progress=ProgressLogger(context.log, "turns written"))
-    unattributed = write_unattributed_quarantine(layout, result)
+    # Blocking checks on the rows before anything is committed: a failing check publishes nothing.
+    run_turns = result.turns.filter(pl.col("user_id").is_in(users)).height
+    run_q = result.quarantine.filter(pl.col("user_id").is_in(users)).height
+    schema_ok = checks.schema_conforms(result.turns, dict(TURN_POLARS_SCHEMA), "turns")
+    ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
+    written: dict = {}
+
+    def publish():
+        written["stats"] = write_users(layout, result, users, progress=ProgressLogger(context.log, "turns written"))
+        written["unattributed"] = write_unattributed_quarantine(layout, result)
+
+    check_results, _ = gate(context, {"schema_conforms": schema_ok, "quarantine_under_ceiling": ceiling}, publish)
+    stats, unattributed = written.get("stats", {}), written.get("unattributed", 0)
     counts = result.counts()
-    run_turns = sum(s["turns"] for s in stats.values())
-    run_q = sum(s["quarantined"] for s in stats.values())
     context.log.info(
         f"{len(users)} users: {run_turns} turns, {run_q} quarantined for these users, "
         f"{unattributed} unattributed bad rows; archive-wide quarantine by field: {counts['quarantined_by_field']}"
     )
-    schema_ok = checks.schema_conforms(result.turns, dict(TURN_POLARS_SCHEMA), "turns")
-    ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
     return dg.MaterializeResult(
-        check_results=[
-            check_result("schema_conforms", schema_ok),
-            check_result("quarantine_under_ceiling", ceiling),
-        ],
+        check_results=check_results,
         metadata={
             "users": len(users),
             "dagster/row_count": run_turns,

@@ -6,7 +6,7 @@ import dagster as dg
 import polars as pl
 
 from assets.episodes import episodes
-from assets.check_results import check_result
+from assets.check_results import gate
 from assets.progress import ProgressLogger
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline.contracts import checks
@@ -62,7 +62,7 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
         all_eps.append(eps_df.select("episode_id", "turn_ids"))
     context.log.info(f"decomposing {len(inputs)} episodes of {len(users)} users ({3 * len(inputs)} LLM calls)")
     t_llm = time.perf_counter()
-    store = CheckpointStore(pipeline.data_root).set_flush_policy(CHECKPOINT_FLUSH_S, CHECKPOINT_FLUSH_CALLS)
+    store = CheckpointStore(layout).set_flush_policy(CHECKPOINT_FLUSH_S, CHECKPOINT_FLUSH_CALLS)
     try:
         out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens,
                                  checkpoint=store, progress=ProgressLogger(context.log, "LLM calls (checkpointed)"))
@@ -74,13 +74,16 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
             "missing calls are sent."
         ) from exc
     llm_s = time.perf_counter() - t_llm
-    for u in users:
-        layout.write_user_table("memories", u, out.memories.filter(pl.col("user_id") == u))
-        layout.write_user_table("llm_ledger", u, out.ledger.filter(pl.col("user_id") == u))
-        layout.write_or_remove_user_table("memory_quarantine", u, out.quarantine.filter(pl.col("user_id") == u))
-        store.compact(u, out.call_keys_by_user.get(u, set()))
     evidence = checks.evidence_inside_episodes(out.memories, pl.concat(all_eps) if all_eps else pl.DataFrame(
         schema={"episode_id": pl.String, "turn_ids": pl.List(pl.Int64)}))
+
+    def publish():  # one transaction per table for all of the run's users
+        layout.replace_users("memories", users, out.memories)
+        layout.replace_users("llm_ledger", users, out.ledger)
+        layout.replace_or_remove_users("memory_quarantine", users, out.quarantine)
+        store.compact_users({u: out.call_keys_by_user.get(u, set()) for u in users})
+
+    check_results, _ = gate(context, {"evidence_inside_episode": evidence}, publish)
     s = out.summary
     context.log.info(
         f"decomposed {len(inputs)} episodes: {s['llm_calls']} LLM calls in {llm_s:.1f}s "
@@ -88,7 +91,7 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     )
     by_type = dict(out.memories.group_by("type").len().rows()) if out.memories.height else {}
     return dg.MaterializeResult(
-        check_results=[check_result("evidence_inside_episode", evidence)],
+        check_results=check_results,
         metadata={
             "users": len(users),
             "episodes": len(inputs),

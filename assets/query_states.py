@@ -5,7 +5,7 @@ import dagster as dg
 import polars as pl
 
 from assets.ingest import turns
-from assets.check_results import check_result
+from assets.check_results import gate
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from assets.adamem import GRAPH_EDGES, GRAPH_NODES, memory_graph
@@ -58,8 +58,7 @@ def query_states(
     layout = pipeline.layout()
     t0 = time.perf_counter()
     if not pipeline.queries_path:
-        for u in users:
-            layout.remove_user_table("query_states", u)
+        layout.replace_or_remove_users("query_states", users, pl.DataFrame(schema={"user_id": pl.String}))
         return dg.MaterializeResult(
             metadata={"queries": 0, "note": "no queries_path configured"},
             check_results=[dg.AssetCheckResult(check_name="no_citation_after_as_of", passed=True, description="no queries")],
@@ -83,12 +82,15 @@ def query_states(
         respond=pipeline.respond, created_at=datetime.now(timezone.utc),
         progress=lambda stage, done, total: progress(done, total) or context.log.info(f"stage done: {stage}"),
     )
-    for u in users:
-        layout.write_or_remove_user_table("query_states", u, out.states.filter(pl.col("user_id") == u))
-        layout.write_or_remove_user_table("query_quarantine", u, out.quarantine.filter(pl.col("user_id") == u))
     future = checks.no_future_citations(out.states, mems)
+
+    def publish():
+        layout.replace_or_remove_users("query_states", users, out.states)
+        layout.replace_or_remove_users("query_quarantine", users, out.quarantine)
+
+    check_results, _ = gate(context, {"no_citation_after_as_of": future}, publish)
     return dg.MaterializeResult(
-        check_results=[check_result("no_citation_after_as_of", future)],
+        check_results=check_results,
         metadata={
             "queries": len(queries), "dagster/row_count": out.states.height, "strategy": pipeline.query_strategy,
             "input_rows_quarantined": bad.height, **{k: v for k, v in out.stats.items() if isinstance(v, (int, float))},

@@ -36,8 +36,7 @@ def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfi
     emb = embed_memories(mems, embedder.model, previous=previous, batch_size=embedder.batch_size,
                          progress=ProgressLogger(context.log, "memories embedded"))
     emb = emb.with_columns(code_version=pl.lit(code_version("memory_embeddings"), pl.String))
-    for u in users:
-        layout.write_user_table("memory_embeddings", u, emb.filter(pl.col("user_id") == u))
+    layout.replace_users("memory_embeddings", users, emb)
     return dg.MaterializeResult(metadata={
         "users": len(users), "dagster/row_count": emb.height, "embedding_model": embedder.model.version,
         "device": str(embedder.model.device), "seconds": round(time.perf_counter() - t0, 3),
@@ -59,14 +58,17 @@ def memory_indexes(context: dg.AssetExecutionContext, pipeline: PipelineConfig) 
     users = run_user_ids(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
-    sizes, built_on = {}, set()
+    sizes, built_on, built = {}, set(), []
+    embs = layout.read_users("memory_embeddings", users)
     for u in users:
-        emb = layout.read_user_table("memory_embeddings", u)
+        emb = embs.get(u)
         if emb is None:
             raise dg.Failure(f"user {u}: materialize `memory_embeddings` first")
-        ux, _ = vector_index.build_and_write_user_indexes(layout, emb, u)
+        ux = vector_index.build_user_indexes(emb, u)
+        built.append(ux)
         built_on.add(ux.built_on)
         sizes[u] = {t: ti.ntotal for t, ti in ux.by_type.items()}
+    vector_index.write_users_indexes(layout, built)  # one transaction per table for the run's users
     return dg.MaterializeResult(metadata={
         "users": len(users), "vectors": sum(sum(v.values()) for v in sizes.values()),
         "built_on": ",".join(sorted(built_on)), "seconds": round(time.perf_counter() - t0, 3),

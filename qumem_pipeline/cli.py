@@ -30,7 +30,7 @@ def _apply_common(args: argparse.Namespace) -> None:
                       ("data_root", "QUMEM_DATA_ROOT"), ("warehouse", "QUMEM_WAREHOUSE")):
         value = getattr(args, flag, None)
         if value:
-            os.environ[env] = str(Path(value).resolve()) if flag != "format" else value
+            os.environ[env] = str(Path(value).resolve()) if flag != "format" and "://" not in value else value
     if getattr(args, "strict", False):
         os.environ["QUMEM_STRICT"] = "1"
     if getattr(args, "users_per_run", None):
@@ -73,6 +73,15 @@ def _dagster_command(name: str):
         return run_command(name, args)
 
     return call
+
+
+def cmd_migrate_storage(args: argparse.Namespace) -> int:
+    from qumem_pipeline.storage.migrate import migrate_storage
+
+    _apply_common(args)
+    report = migrate_storage(args.old_root, os.environ.get("QUMEM_DATA_ROOT") or str(Path.cwd() / "data"))
+    print("\n".join(f"{t:<24}{r}" for t, r in report.items()) if not args.json else json.dumps(report))
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -130,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="export", help="output directory (default ./export)")
     common(sp, archive=False)
     sp.set_defaults(func=_dagster_command("export"))
+
+    sp = sub.add_parser("migrate-storage", help="move a per-user Parquet data root into the Delta table store")
+    sp.add_argument("--from", dest="old_root", required=True, help="the old per-user Parquet data root")
+    common(sp, archive=False)
+    sp.set_defaults(func=cmd_migrate_storage)
 
     sp = sub.add_parser("users", help="list registered user partitions")
     sp.set_defaults(func=_dagster_command("users"))

@@ -21,7 +21,7 @@ from qumem_pipeline.storage.forget import ForgetRegistry
 from qumem_pipeline.ingest.archive import ArchiveConfig
 from qumem_pipeline.storage.layout import DataLayout
 from qumem_pipeline.ingest.validate import DEFAULT_MAX_TEXT_CHARS
-from qumem_pipeline.storage.warehouse import Warehouse
+from qumem_pipeline.storage.warehouse import Warehouse, default_warehouse_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_ARCHIVE = REPO_ROOT / "examples" / "archive"
@@ -47,7 +47,7 @@ class PipelineConfig(dg.ConfigurableResource):
         return DataLayout(self.data_root)
 
     def warehouse(self) -> Warehouse:
-        return Warehouse(self.warehouse_path or os.path.join(self.data_root, "warehouse.duckdb"))
+        return Warehouse(self.warehouse_path or default_warehouse_path(self.data_root))
 
     def archive(self) -> ArchiveConfig:
         return ArchiveConfig(

@@ -99,3 +99,84 @@ def local_instance(home: Path):
         yield inst
     finally:
         inst.dispose()
+
+
+# ------------------------------------------------------------------ S3 on loopback (moto's real server)
+S3_BUCKET = "qumem-test"
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+          "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """moto's standalone S3 server (`moto[server]`, pinned) as a child process on a free loopback
+    port, stopped by its pid at teardown. Yields the endpoint URL."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    pytest.importorskip("moto.server")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1)
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not start (exit {proc.poll()})")
+                time.sleep(0.2)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in S3_ENV.items()
+                                                    if k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+                     region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+        yield endpoint
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def s3_root(moto_server, monkeypatch, request):
+    """A fresh `s3://` data root on the moto server; the AWS_* variables delta-rs and pyarrow read are
+    set for this process and inherited by its children."""
+    import uuid
+
+    for k, v in {**S3_ENV, "AWS_ENDPOINT_URL": moto_server}.items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{S3_BUCKET}/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
+
+
+def s3_objects(endpoint: str, root: str) -> dict[str, bytes]:
+    """Every object under an s3:// root, key -> bytes."""
+    import boto3
+
+    bucket, _, prefix = root[len("s3://"):].partition("/")
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                      region_name="us-east-1")
+    out = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+    return out

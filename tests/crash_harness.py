@@ -13,7 +13,8 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from qumem_pipeline.storage.layout import TMP_PREFIX
+from qumem_pipeline.storage.layout import TMP_PREFIX, DataLayout
+from qumem_pipeline.storage.table_store import STORE_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Columns that say when a row was made or how long a call took: they differ between any two runs.
@@ -44,8 +45,10 @@ def write_archive(directory: Path) -> Path:
     return path
 
 
-def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`qumem run` over the archive in `work`, data under `work/data`, Dagster home `work/home`."""
+def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout: float = 300,
+                 data_root: str | None = None) -> subprocess.CompletedProcess:
+    """`qumem run` over the archive in `work`, data under `work/data` (or `data_root`, e.g. s3://),
+    Dagster home `work/home`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUMEM_")}
     env.update({
         "PYTHONPATH": str(REPO_ROOT), "DAGSTER_HOME": str(work / "home"), "HF_HUB_OFFLINE": "1",
@@ -58,7 +61,7 @@ def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout:
     if kill_at:
         env["QUMEM_FAULT_KILL_AT"] = kill_at
     cmd = [sys.executable, "-m", "qumem_pipeline.cli", "run", "--archive", str(work / "archive" / "archive.jsonl"),
-           "--data-root", str(work / "data")]
+           "--data-root", data_root or str(work / "data")]
     return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -69,19 +72,16 @@ def _rows_digest(rows: list[dict], work: str) -> str:
 
 
 def snapshot(data_root: Path) -> dict[str, str]:
-    """Content hash of every output under `<work>/data`: Parquet rows (volatile columns dropped,
-    order-free), other files byte for byte (FAISS indexes), and each warehouse table's rows."""
+    """Content hash of every output under `<work>/data`: each table's current rows per user (volatile
+    columns dropped, order-free; FAISS indexes are rows of `indexes`, compared byte for byte), the
+    set of users present per table, and each warehouse table's rows."""
     work = str(data_root.parent)
     out: dict[str, str] = {}
-    for p in sorted(data_root.rglob("*")):
-        if not p.is_file() or p.name.startswith("warehouse.duckdb"):
-            continue
-        rel = p.relative_to(data_root).as_posix()
-        if p.suffix == ".parquet":
-            df = pl.read_parquet(p)
-            out[rel] = _rows_digest(df.drop([c for c in df.columns if c in VOLATILE_COLUMNS]).to_dicts(), work)
-        else:
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    layout = DataLayout(data_root)
+    for t in layout.tables():
+        df = layout.store.read(t)
+        df = df.drop([c for c in df.columns if c in VOLATILE_COLUMNS or c in STORE_COLUMNS and c != "user_key"])
+        out[f"table:{t}"] = _rows_digest(df.to_dicts(), work)
     wh = data_root / "warehouse.duckdb"
     if wh.exists():
         with duckdb.connect(str(wh), read_only=True) as con:
@@ -100,5 +100,6 @@ def temp_files(data_root: Path) -> list[str]:
 
 
 def table_rows(data_root: Path) -> int:
-    """Rows over every per-user Parquet table (the figure `rows lost` is measured in)."""
-    return sum(pl.read_parquet(p).height for p in data_root.rglob("user_id=*/part-0.parquet"))
+    """Rows over every table of the store (the figure `rows lost` is measured in)."""
+    layout = DataLayout(data_root)
+    return sum(layout.read_table(t).height if layout.read_table(t) is not None else 0 for t in layout.tables())

@@ -11,6 +11,7 @@ import duckdb
 import polars as pl
 import pytest
 
+from qumem_pipeline.storage.layout import DataLayout
 from tests.conftest import conversation, write_jsonl
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
@@ -126,27 +127,31 @@ def test_main_job_materializes_every_asset_per_user(pipeline_run):
     assert result.success
     mats = {(m.asset_key.to_user_string(), m.partition) for m in result.get_asset_materialization_events()}
     assert mats == {(a, u) for a in ALL_ASSETS for u in ("alice", "bob", "chen")}
-    for table in ("turns", "episodes", "memories", "memory_embeddings", "llm_ledger"):
-        files = sorted(p.relative_to(data_root).as_posix() for p in (data_root / table).rglob("*.parquet"))
-        assert files == [f"{table}/user_id={u}/part-0.parquet" for u in ("alice", "bob", "chen")], table
+    layout = DataLayout(data_root)
+    for table in ("turns", "episodes", "memories", "memory_embeddings", "llm_ledger", "indexes"):
+        assert layout.users_in(table) == ["alice", "bob", "chen"], table
+        # one Delta table, one commit per run: no per-user files
+        assert (data_root / table / "_delta_log").is_dir() and not list((data_root / table).glob("user_id=*"))
+        assert [h["operation"] for h in layout.store._open(table).history()] == ["WRITE"], table
     for u in ("alice", "bob", "chen"):
-        assert {p.name for p in (data_root / "indexes" / f"user_id={u}").iterdir()} == {"fact.faiss", "preference.faiss", "insight.faiss"}
+        assert set(layout.read_user_table("indexes", u)["type"]) == {"fact", "preference", "insight"}
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks and all(checks.values()), checks
 
 
 def test_every_row_carries_versions_and_episodes_cover_turns(pipeline_run):
     data_root = pipeline_run["data_root"]
-    eps = pl.read_parquet(data_root / "episodes" / "user_id=alice" / "part-0.parquet")
+    layout = DataLayout(data_root)
+    eps = layout.read_user_table("episodes", "alice")
     assert eps["classifier_version"].str.starts_with("continuity-").all()
     assert sorted(t for ids in eps["turn_ids"].to_list() for t in ids) == [0, 1, 2, 3]
-    mems = pl.read_parquet(data_root / "memories" / "user_id=bob" / "part-0.parquet")
-    ledger = pl.read_parquet(data_root / "llm_ledger" / "user_id=bob" / "part-0.parquet")
+    mems = layout.read_user_table("memories", "bob")
+    ledger = layout.read_user_table("llm_ledger", "bob")
     assert ledger.height >= 3 and set(ledger["type"]) == {"fact", "preference", "insight"}
     assert (ledger["prompt_tokens"] > 0).all() and ledger["model"].is_not_null().all()
     assert mems.height >= 1, "SmolLM2 (temperature 0) finds memories in bob's episode; none means the stage broke"
     assert mems["prompt_version"].str.starts_with("decompose-").all() and mems["model"].is_not_null().all()
-    bob_eps = pl.read_parquet(data_root / "episodes" / "user_id=bob" / "part-0.parquet")
+    bob_eps = layout.read_user_table("episodes", "bob")
     allowed = {t for ids in bob_eps["turn_ids"].to_list() for t in ids}
     assert all(set(ev) <= allowed for ev in mems["evidence_turn_ids"].to_list())
 
@@ -156,7 +161,10 @@ TABLE_STAGE = {"turns": "turns", "quarantine": "turns", "fingerprints": "turns",
                "memories": "memories", "memory_quarantine": "memories", "llm_ledger": "memories",
                "memory_embeddings": "memory_embeddings", "index_ids": "memory_indexes",
                "persona_profiles": "persona_profiles", "memory_graph_nodes": "memory_graph",
-               "memory_graph_edges": "memory_graph", "query_states": "query_states", "query_quarantine": "query_states"}
+               "memory_graph_edges": "memory_graph", "query_states": "query_states", "query_quarantine": "query_states",
+               "indexes": "memory_indexes"}
+# Operational tables of the store, not stage output: the forgotten-user registry and ingest's bookkeeping.
+NOT_STAGE_TABLES = {"forgotten_users", "ingest_manifest", "ingest_file_users", "turn_duplicates"}
 
 
 def test_every_table_carries_its_stage_code_version(pipeline_run):
@@ -164,11 +172,12 @@ def test_every_table_carries_its_stage_code_version(pipeline_run):
     data_root, result = pipeline_run["data_root"], pipeline_run["result"]
     asset_versions = {k.to_user_string(): v for a in pipeline_run["defs"].resolve_asset_graph().assets_defs
                       for k, v in a.code_versions_by_key.items()}
-    written = {p.relative_to(data_root).parts[0] for p in data_root.rglob("*.parquet")} - {"memory_checkpoints"}
+    layout = DataLayout(data_root)
+    written = set(layout.tables()) - {"memory_checkpoints", *NOT_STAGE_TABLES}
     assert set(TABLE_STAGE) - {"memory_quarantine", "query_quarantine"} <= written, written
     assert written <= set(TABLE_STAGE), written - set(TABLE_STAGE)
     for table in sorted(written):
-        df = pl.concat([pl.read_parquet(p).select("code_version") for p in (data_root / table).rglob("*.parquet")])
+        df = layout.read_table(table).select("code_version")
         assert df.height > 0 and set(df["code_version"]) == {asset_versions[TABLE_STAGE[table]]}, table
     for m in result.get_asset_materialization_events():
         md = m.step_materialization_data.materialization.metadata
@@ -202,7 +211,7 @@ def test_no_output_of_one_user_references_another(pipeline_run):
     """Isolation on the real embedded path (SmolLM2 memories, MiniLM embeddings, FAISS, query states)."""
     root = pipeline_run["data_root"]
     users = ("alice", "bob", "chen")
-    read = lambda t, u: pl.read_parquet(p) if (p := root / t / f"user_id={u}" / "part-0.parquet").exists() else None  # noqa: E731
+    read = DataLayout(root).read_user_table
     mem_ids = {}
     for u in users:
         turn_ids = set(read("turns", u)["turn_index"])
@@ -231,14 +240,15 @@ def test_no_output_of_one_user_references_another(pipeline_run):
 def test_rerun_converges(pipeline_run):
     """A second run over the same users rewrites the same rows (ids stable, no duplicates)."""
     data_root, defs, instance = pipeline_run["data_root"], pipeline_run["defs"], pipeline_run["instance"]
-    before = pl.read_parquet(data_root / "episodes" / "user_id=alice" / "part-0.parquet")
+    layout = DataLayout(data_root)
+    before = layout.read_user_table("episodes", "alice")
     assert run_job(defs, instance, ["alice"], job="ingest_job").success
-    after_turns = pl.read_parquet(data_root / "turns" / "user_id=alice" / "part-0.parquet")
+    after_turns = layout.read_user_table("turns", "alice")
     assert after_turns.height == 4
     with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
         assert con.execute("SELECT count(*) FROM turns WHERE user_id='alice'").fetchone()[0] == 4
     assert before["episode_id"].n_unique() == before.height
-    assert not list(data_root.rglob(".tmp-*"))
+    assert layout.read_table("turns")["user_id"].value_counts().sort("user_id").rows() == [("alice", 4), ("bob", 4), ("chen", 2)]
 
 
 def test_forget_rejects_malicious_id(dagster_env, small_archive):
@@ -259,16 +269,18 @@ def test_forget_removes_canary_everywhere_and_keeps_others(pipeline_run):
     assert hits, "the canary must be somewhere before forgetting, or the test proves nothing"
     hit_dirs = {p.relative_to(data_root).parts[0] for p in hits}
     assert {"warehouse.duckdb", "turns", "quarantine"} <= hit_dirs, hit_dirs
+    layout = DataLayout(data_root)
     # every per-user artifact of bob exists before forgetting, so their absence afterwards means something
     for table in ("turns", "quarantine", "fingerprints", "episodes", "memories", "llm_ledger", "memory_embeddings", "index_ids"):
-        assert (data_root / table / "user_id=bob" / "part-0.parquet").exists(), table
-    assert sorted(p.name for p in (data_root / "indexes" / "user_id=bob").iterdir()) == ["fact.faiss", "insight.faiss", "preference.faiss"]
-    assert not (data_root / "quarantine" / "user_id=__unattributed__").exists() or not files_containing(
-        data_root / "quarantine" / "user_id=__unattributed__", CANARY), "bob's broken line must be attributed to bob"
+        assert layout.read_user_table(table, "bob") is not None, table
+    assert sorted(layout.read_user_table("indexes", "bob")["type"]) == ["fact", "insight", "preference"]
+    unattributed = layout.read_user_table("quarantine", "__unattributed__")
+    assert unattributed is None or not any(CANARY in str(v) for v in unattributed.rows()), \
+        "bob's broken line must be attributed to bob"
     # user text never enters Dagster's event log (materialization metadata, check results, log lines)
     assert event_log_hits(instance, CANARY) == []
     assert event_log_hits(instance, "locker code") == []
-    alice_before = {t: pl.read_parquet(data_root / t / "user_id=alice" / "part-0.parquet") for t in ("turns", "episodes", "memories")}
+    alice_before = {t: layout.read_user_table(t, "alice") for t in ("turns", "episodes", "memories")}
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QUMEM_DATA_ROOT", str(data_root))
@@ -277,10 +289,13 @@ def test_forget_removes_canary_everywhere_and_keeps_others(pipeline_run):
         )
     assert r.success
     assert files_containing(data_root, CANARY) == []
-    assert not any(p.name == "user_id=bob" for p in data_root.rglob("user_id=*"))
+    # the user id itself is gone from every object too (data files and the transaction logs)
+    assert [p for p in files_containing(data_root, "bob") if p.suffix != ".duckdb"] == []
+    layout = DataLayout(data_root)
+    assert all("bob" not in layout.users_in(t) for t in layout.tables())
     assert not instance.has_dynamic_partition("users", "bob")
     for t, df in alice_before.items():
-        assert pl.read_parquet(data_root / t / "user_id=alice" / "part-0.parquet").equals(df), t
+        assert layout.read_user_table(t, "alice").equals(df), t
     with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
         assert con.execute("SELECT DISTINCT user_id FROM turns ORDER BY 1").fetchall() == [("alice",), ("chen",)]
     # Rediscovery from the (unchanged) archive does not bring bob back.

@@ -37,29 +37,34 @@ def test_append_load_compact_roundtrip(tmp_path):
     a, b, c = outcome("u1", "e1"), outcome("u1", "e2", status="quarantined"), outcome("u2", "e1")
     store.append([a, b])
     store.append([c])
-    (tmp_path / "memory_checkpoints" / "user_id=u1" / ".tmp-partial.parquet").write_bytes(b"PAR1 half")  # a crash's leftover
+    # a killed writer's leftover: a data file no commit references is never read
+    (tmp_path / "memory_checkpoints" / "user_bucket=0").mkdir(exist_ok=True)
+    (tmp_path / "memory_checkpoints" / "user_bucket=0" / "part-orphan.parquet").write_bytes(b"PAR1 half")
     loaded = CheckpointStore(tmp_path).load(["u1", "u2"])
     assert set(loaded) == {a.key, b.key, c.key}
     assert loaded[b.key].status == "quarantined" and loaded[b.key].quarantine == {"reason": "invalid_json: x"}
     assert loaded[a.key].ledger == a.ledger and loaded[a.key].created_at == T
     store.compact("u1", {a.key})
-    files = sorted(p.name for p in (tmp_path / "memory_checkpoints" / "user_id=u1").glob("*.parquet")
-                   if not p.name.startswith(".tmp-"))
-    assert files == ["part-0.parquet"] and set(store.load(["u1"])) == {a.key}
+    assert set(store.load(["u1"])) == {a.key} and set(store.load(["u2"])) == {c.key}
+    assert store.layout.read_user_table("memory_checkpoints", "u1").height == 1
 
 
 def test_unreadable_checkpoint_is_skipped_not_fatal(tmp_path):
     store = CheckpointStore(tmp_path)
     store.append([outcome("u1", "e1")])
-    (tmp_path / "memory_checkpoints" / "user_id=u1" / "batch-corrupt.parquet").write_bytes(b"not parquet")
-    assert len(store.load(["u1"])) == 1 and [p.name for p in store.unreadable] == ["batch-corrupt.parquet"]
+    assert len(store.load(["u1"])) == 1
+    for f in store.layout.store.files("memory_checkpoints"):  # the committed data file is corrupted
+        open(f, "wb").write(b"not parquet")
+    fresh = CheckpointStore(tmp_path)
+    assert fresh.load(["u1"]) == {} and fresh.unreadable == [fresh.layout.table_dir("memory_checkpoints")]
 
 
 def test_forget_removes_checkpoints(tmp_path):
     CheckpointStore(tmp_path).append([outcome("u1", "e1"), outcome("u2", "e1")])
     forget_user(tmp_path, tmp_path / "warehouse.duckdb", "u1")
-    assert not (tmp_path / "memory_checkpoints" / "user_id=u1").exists()
-    assert (tmp_path / "memory_checkpoints" / "user_id=u2").exists()
+    left = CheckpointStore(tmp_path)
+    assert left.load(["u1"]) == {} and len(left.load(["u2"])) == 1
+    assert left.layout.users_in("memory_checkpoints") == ["u2"]
 
 
 def test_fault_point_is_a_noop_when_unset_and_kills_at_the_nth_hit(monkeypatch):

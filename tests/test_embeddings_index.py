@@ -129,9 +129,10 @@ def test_build_write_load_roundtrip(tmp_path):
     layout = DataLayout(tmp_path)
     ux, paths = vi.build_and_write_user_indexes(layout, df, "alice", use_gpu=False)
     assert ux.built_on == "cpu"
-    for t in vi.MEMORY_TYPES:
-        assert (tmp_path / "indexes" / "user_id=alice" / f"{t}.faiss").is_file()
-    idmap = pl.read_parquet(tmp_path / "index_ids" / "user_id=alice" / "part-0.parquet")
+    rows = layout.read_user_table("indexes", "alice")
+    assert sorted(rows["type"]) == sorted(vi.MEMORY_TYPES) and rows["faiss"].dtype == pl.Binary
+    assert not list(tmp_path.rglob("*.faiss")), "indexes are table rows, not per-user files"
+    idmap = layout.read_user_table("index_ids", "alice")
     assert idmap.height == n and idmap["id"].dtype == pl.Int64
     assert dict(zip(idmap["memory_id"], idmap["id"])) == {f"m{i}": vi.stable_id(f"m{i}") for i in range(n)}
     assert not list(tmp_path.rglob(".tmp-*"))
@@ -164,7 +165,7 @@ def test_empty_types_and_stale_detection(tmp_path):
     assert loaded.search("insight", vecs, k=5) == [[], []]
     # an index file that disagrees with the id map is refused, not served
     other = vi.build_user_indexes(_emb_frame("bob", ["c"], ["fact"], [0], vecs[:1]), "bob", use_gpu=False)
-    faiss.write_index(other.by_type["fact"].index, str(vi.index_path(layout, "bob", "fact")))
+    layout.write_user_table("indexes", "bob", vi.index_frame(other))
     with pytest.raises(vi.StaleIndexError):
         vi.load_user_indexes(layout, "bob")
 

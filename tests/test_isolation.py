@@ -12,10 +12,12 @@ import importlib
 
 import dagster as dg
 import faiss
+import numpy as np
 import polars as pl
 import pytest
 
 from fake_openai_server import RunningFakeServer
+from qumem_pipeline.storage.layout import DataLayout
 from tests.conftest import write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -85,7 +87,7 @@ def isolated_run(tmp_path_factory):
     root = tmp / "data"
     tables = {}
     for t in ("turns", "episodes", "memories", "memory_embeddings", "index_ids", "query_states"):
-        tables[t] = {u: pl.read_parquet(root / t / f"user_id={u}" / "part-0.parquet") for u in USERS}
+        tables[t] = {u: DataLayout(root).read_user_table(t, u) for u in USERS}
     return {"root": root, "tables": tables, "requests": requests}
 
 
@@ -121,8 +123,8 @@ def test_embeddings_and_index_ids_belong_to_one_user(isolated_run):
         idmap = t["index_ids"][u]
         assert set(idmap["memory_id"]) == own
         ids_in_files = set()
-        for f in sorted((root / "indexes" / f"user_id={u}").glob("*.faiss")):
-            index = faiss.read_index(str(f))
+        for blob in DataLayout(root).read_user_table("indexes", u)["faiss"].to_list():
+            index = faiss.deserialize_index(np.frombuffer(blob, dtype=np.uint8))
             ids_in_files |= set(faiss.vector_to_array(index.id_map).tolist())
         assert ids_in_files == set(idmap["id"]), u
         faiss_ids[u] = ids_in_files

@@ -24,39 +24,40 @@ def test_valid_user_ids(good):
     assert validate_user_id(good) == good
 
 
-def test_atomic_replace_and_cleanup(tmp_path):
+def test_replace_and_read_back(tmp_path):
     layout = DataLayout(tmp_path)
     layout.write_user_table("turns", "alice", pl.DataFrame({"user_id": ["alice"], "x": [1]}))
     layout.write_user_table("turns", "alice", pl.DataFrame({"user_id": ["alice", "alice"], "x": [2, 3]}))
     assert layout.read_user_table("turns", "alice")["x"].to_list() == [2, 3]
-    assert [p.name for p in (tmp_path / "turns" / "user_id=alice").iterdir()] == ["part-0.parquet"]
-    # A temp file left by a killed writer is cleaned up and never read as data.
-    stray = tmp_path / "turns" / "user_id=alice" / ".tmp-dead.parquet"
-    stray.write_bytes(b"partial")
     assert layout.read_table("turns")["x"].to_list() == [2, 3]
-    assert layout.clean_temp_files() == 1 and not stray.exists()
+    # no per-user files: one Delta table, files under bucket partitions
+    assert (tmp_path / "turns" / "_delta_log").is_dir() and not list(tmp_path.rglob("user_id=*"))
+    assert all("user_bucket=" in f for f in layout.store.files("turns"))
+    # written empty != never written
+    layout.write_user_table("turns", "bob", pl.DataFrame(schema={"user_id": pl.String, "x": pl.Int64}))
+    assert layout.read_user_table("turns", "bob").height == 0 and layout.read_user_table("turns", "bob").columns == ["user_id", "x"]
+    assert layout.read_user_table("turns", "chen") is None
+    assert layout.users_in("turns") == ["alice", "bob"] and layout.read_table("turns")["x"].to_list() == [2, 3]
 
 
-def test_failed_write_leaves_old_file(tmp_path):
+def test_failed_write_leaves_old_version(tmp_path):
     layout = DataLayout(tmp_path)
     layout.write_user_table("turns", "alice", pl.DataFrame({"user_id": ["alice"], "x": [1]}))
+    version = layout.store.version("turns")
 
-    # A frame Parquet cannot encode (an Object column) fails inside the real writer.
+    # A frame Arrow cannot encode (an Object column) fails inside the real writer.
     unwritable = pl.DataFrame({"user_id": ["alice"], "x": [object()]}, schema={"user_id": pl.String, "x": pl.Object})
     with pytest.raises(Exception):
         layout.write_user_table("turns", "alice", unwritable)
     assert layout.read_user_table("turns", "alice")["x"].to_list() == [1]
-    assert len(os.listdir(tmp_path / "turns" / "user_id=alice")) == 1
+    assert layout.store.version("turns") == version
 
 
 def test_delete_user_every_table(tmp_path):
     layout = DataLayout(tmp_path)
     for table in ("turns", "quarantine", "episodes"):
-        for u in ("alice", "bob"):
-            layout.write_user_table(table, u, pl.DataFrame({"user_id": [u]}))
-    (tmp_path / "indexes" / "user_id=alice").mkdir(parents=True)
-    (tmp_path / "indexes" / "user_id=alice" / "fact.faiss").write_bytes(b"idx")
+        layout.replace_users(table, ["alice", "bob"], pl.DataFrame({"user_id": ["alice", "bob"]}))
     removed = layout.delete_user("alice")
-    assert len(removed) == 4
+    assert removed == ["episodes", "quarantine", "turns"]
     assert layout.users_in("turns") == ["bob"] and layout.users_in("episodes") == ["bob"]
-    assert not (tmp_path / "indexes" / "user_id=alice").exists()
+    assert layout.read_user_table("turns", "alice") is None

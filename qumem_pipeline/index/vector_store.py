@@ -1,10 +1,10 @@
 """Per-user, per-type FAISS indexes over memory embeddings, with temporal (as_of) filtering.
 
-Layout under the data root (everything per user lives under a ``user_id=<id>`` directory, so
-forgetting a user removes their indexes too)::
+Persistence: two user-keyed tables of the table store (no per-user files; forgetting a user
+deletes their rows like any other table's)::
 
-    <root>/indexes/user_id=<id>/{fact,preference,insight}.faiss    IndexIDMap2(IndexFlatIP(dim))
-    <root>/index_ids/user_id=<id>/part-0.parquet                    id (int64) -> memory_id, type, position
+    indexes     user_id, type, ntotal, faiss (bytes of faiss.serialize_index: IndexIDMap2(IndexFlatIP(dim)))
+    index_ids   id (int64) -> memory_id, type, position
 
 Ids are stable: the first 8 bytes of sha256(memory_id), big-endian, masked to 63 bits (always a
 non-negative int64). The same memory keeps the same id across rebuilds; two memory ids of one user
@@ -12,9 +12,9 @@ that collide raise :class:`IdCollisionError` (never silently merged).
 
 Exact inner product (= cosine on unit-norm vectors) is right at per-user sizes. The build runs on
 the GPU (one ``StandardGpuResources`` reused, ``index_cpu_to_gpu`` ... ``index_gpu_to_cpu``) when
-faiss has GPU support and a GPU is visible, else on the CPU; files are written atomically (temp
-file in the same directory + ``os.replace``); the id map is written last and the loader checks it
-against every index, so a half-written rebuild is detected, not served.
+faiss has GPU support and a GPU is visible, else on the CPU; a run's users are written in one
+transaction per table; the id map is written last and the loader checks it against every index,
+so a half-written rebuild is detected, not served.
 
 Search never returns a memory whose position is after ``as_of_position``: the eligible ids are
 passed to faiss as an ``IDSelectorBatch`` (exact: the best eligible memories, however many future
@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import faiss
 import numpy as np
@@ -40,7 +38,7 @@ import polars as pl
 from qumem_pipeline.index.embeddings import embeddings_matrix
 from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.contracts.stage_versions import stage_version
-from qumem_pipeline.storage.layout import DataLayout, temp_prefix
+from qumem_pipeline.storage.layout import DataLayout
 
 MEMORY_TYPES = ("fact", "preference", "insight")
 TYPE_ALIASES = {"f": "fact", "fact": "fact", "facts": "fact", "factual": "fact",
@@ -226,68 +224,72 @@ def build_user_indexes(embeddings: pl.DataFrame, user_id: str | None = None, *, 
 
 # ---------------------------------------------------------------------------------------- files
 
-def index_path(layout: DataLayout, user_id: str, mem_type: str) -> Path:
-    return layout.user_dir(INDEX_TABLE, user_id) / f"{normalize_type(mem_type)}.faiss"
+INDEX_ROWS_SCHEMA = pl.Schema({"user_id": pl.String, "type": pl.String, "ntotal": pl.Int64, "faiss": pl.Binary})
 
 
-def _write_index_atomic(index: faiss.Index, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=".faiss", dir=target.parent)
-    os.close(fd)
-    try:
-        faiss.write_index(index, tmp)
-        fault_point("index.write")  # crash tests: a written temp file not yet renamed
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_user_indexes(layout: DataLayout, ux: UserIndexes) -> list[Path]:
-    """Write the three index files, then the id map (last: the loader checks files against it)."""
-    paths = []
+def index_frame(ux: UserIndexes) -> pl.DataFrame:
+    """One row per memory type: the serialized index (faiss.serialize_index; built on GPU -> CPU copy)."""
+    rows = []
     for t in MEMORY_TYPES:
-        p = index_path(layout, ux.user_id, t)
-        _write_index_atomic(ux.by_type[t].index, p)
-        paths.append(p)
-    paths.append(layout.write_user_table(IDMAP_TABLE, ux.user_id, ux.idmap_frame()))
-    return paths
+        index = ux.by_type[t].index
+        rows.append((ux.user_id, t, int(index.ntotal), faiss.serialize_index(index).tobytes()))
+        fault_point("index.write")  # crash tests: indexes serialized, nothing committed yet
+    return pl.DataFrame(rows, schema=INDEX_ROWS_SCHEMA, orient="row")
+
+
+def write_users_indexes(layout: DataLayout, uxs: Sequence[UserIndexes]) -> list[int]:
+    """All of a run's users: the index rows in one commit, then the id maps (last: the loader checks
+    the indexes against them) in one more."""
+    if not uxs:
+        return []
+    users = [ux.user_id for ux in uxs]
+    indexes = pl.concat([index_frame(ux) for ux in uxs])
+    idmaps = pl.concat([ux.idmap_frame() for ux in uxs])
+    return [layout.replace_users(INDEX_TABLE, users, indexes), layout.replace_users(IDMAP_TABLE, users, idmaps)]
+
+
+def write_user_indexes(layout: DataLayout, ux: UserIndexes) -> list[int]:
+    return write_users_indexes(layout, [ux])
 
 
 def build_and_write_user_indexes(layout: DataLayout, embeddings: pl.DataFrame, user_id: str,
-                                 use_gpu: bool | None = None) -> tuple[UserIndexes, list[Path]]:
+                                 use_gpu: bool | None = None) -> tuple[UserIndexes, list[int]]:
     ux = build_user_indexes(embeddings, user_id, use_gpu=use_gpu)
     return ux, write_user_indexes(layout, ux)
 
 
 def load_user_indexes(layout: DataLayout, user_id: str) -> UserIndexes | None:
-    """A user's indexes from disk (None when the user has no id map); StaleIndexError on mismatch."""
+    """A user's indexes from the store (None when the user has no id map); StaleIndexError on mismatch."""
     idmap = layout.read_user_table(IDMAP_TABLE, user_id)
     if idmap is None:
         return None
+    rows_by_type = {}
+    stored_rows = layout.read_user_table(INDEX_TABLE, user_id)
+    if stored_rows is not None:
+        rows_by_type = {r["type"]: r["faiss"] for r in stored_rows.iter_rows(named=True)}
     models = [m for m in idmap["embedding_model"].unique().to_list() if m is not None] if idmap.height else []
     by_type: dict[str, TypeIndex] = {}
     dim = None
     for t in MEMORY_TYPES:
-        p = index_path(layout, user_id, t)
+        blob = rows_by_type.get(t)
         rows = idmap.filter(pl.col("type") == t)
-        if not p.exists():
+        if blob is None:
             if rows.height:
-                raise StaleIndexError(f"user {user_id}: {p} missing but the id map lists {rows.height} {t} memories")
+                raise StaleIndexError(f"user {user_id}: no {t} index but the id map lists {rows.height} {t} memories")
             continue
-        index = faiss.read_index(str(p))
+        index = faiss.deserialize_index(np.frombuffer(blob, dtype=np.uint8))
         dim = index.d
         stored = faiss.vector_to_array(faiss.downcast_index(index).id_map).astype(np.int64) if index.ntotal else np.zeros(0, np.int64)
         by_id = dict(zip(rows["id"].to_list(), zip(rows["memory_id"].to_list(), rows["position"].to_list())))
         if len(stored) != rows.height or any(int(i) not in by_id for i in stored.tolist()):
             raise StaleIndexError(
-                f"user {user_id}: {p.name} holds {len(stored)} ids but the id map has {rows.height} {t} rows "
+                f"user {user_id}: the {t} index holds {len(stored)} ids but the id map has {rows.height} {t} rows "
                 f"that do not match; rebuild this user's indexes"
             )
         mids = [by_id[int(i)][0] for i in stored.tolist()]
         pos = np.asarray([by_id[int(i)][1] for i in stored.tolist()], dtype=np.int64)
         by_type[t] = TypeIndex(t, index, stored, mids, pos)
-    for t in MEMORY_TYPES:  # a type with no file and no rows: an empty index
+    for t in MEMORY_TYPES:  # a type with no index and no rows: an empty index
         if t not in by_type:
             by_type[t] = TypeIndex(t, _new_index(dim or 384), np.zeros(0, np.int64), [], np.zeros(0, np.int64))
     return UserIndexes(user_id, dim or 384, models[0] if models else None, by_type)
@@ -456,5 +458,5 @@ __all__ = [
     "MEMORY_TYPES", "INDEX_TABLE", "IDMAP_TABLE", "IDMAP_SCHEMA", "IdCollisionError", "StaleIndexError",
     "normalize_type", "stable_id", "assign_ids", "gpu_available", "gpu_resources", "build_index",
     "TypeIndex", "UserIndexes", "build_user_indexes", "write_user_indexes", "build_and_write_user_indexes",
-    "load_user_indexes", "search_type_index", "VectorStore", "index_path",
+    "load_user_indexes", "search_type_index", "VectorStore", "index_frame", "write_users_indexes",
 ]

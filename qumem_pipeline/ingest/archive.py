@@ -193,44 +193,36 @@ def write_users(
     user_ids: list[str],
     progress=None,
 ) -> dict[str, dict]:
-    """Write turns, quarantine and fingerprint partitions for each of `user_ids`."""
+    """Write turns, quarantine and fingerprint rows for each of `user_ids`: one transaction per table."""
+    user_ids = list(dict.fromkeys(user_ids))
     runs = UserRuns(result.turns)
     q = result.quarantine.with_columns(
         _key=pl.when(valid_user_id_expr()).then(pl.col("user_id")).otherwise(pl.lit(UNATTRIBUTED))
     )
-    q_by_user = {k[0]: v.drop("_key") for k, v in q.partition_by("_key", as_dict=True).items()} if q.height else {}
-    empty_q = result.quarantine.clear()
-
-    def write_one(u: str) -> tuple[str, dict]:
-        t = runs.frame(u)
-        qq = q_by_user.get(u, empty_q)
-        layout.write_user_table("turns", u, t)
-        layout.write_or_remove_user_table("quarantine", u, qq)
-        # Recorded only after the user's data is in place: a fingerprint vouches for its turns.
-        fp = fingerprints[u].result()[u] if u in fingerprints else _EMPTY_FINGERPRINT
-        layout.write_user_table(
-            "fingerprints",
-            u,
-            pl.DataFrame(
-                {"user_id": [u], "fingerprint": [fp], "n_turns": [t.height], "n_quarantined": [qq.height], "code_version": [stage_version("turns")]},
-                schema=FINGERPRINT_SCHEMA,
-            ),
-        )
-        return u, {"turns": t.height, "quarantined": qq.height, "fingerprint": fp}
-
-    # Parquet encoding, line building, hashing and file I/O release the GIL: a few writer threads
-    # keep every core busy. The fingerprint blocks go into the queue first, so every block has
-    # started (on some thread) before any user's write can wait for it: no deadlock.
-    stats: dict[str, dict] = {}
-    fingerprints: dict = {}
+    # Hashing releases the GIL: the fingerprint blocks run on a few threads.
+    fingerprints: dict[str, str] = {}
     with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:
-        for block in runs.fingerprint_blocks(user_ids):
-            future = pool.submit(block.hash)
-            fingerprints.update(dict.fromkeys(block.users, future))
-        for i, (u, st) in enumerate(pool.map(write_one, user_ids), start=1):
-            stats[u] = st
-            if progress:
-                progress(i, len(user_ids))
+        for fp in pool.map(lambda block: block.hash(), runs.fingerprint_blocks(user_ids)):
+            fingerprints.update(fp)
+    turns = runs.turns.filter(pl.col("user_id").is_in(user_ids)) if user_ids else runs.empty
+    qq = q.filter(pl.col("_key").is_in(user_ids)).drop("_key")
+    n_q = dict(qq.group_by("user_id").len().iter_rows()) if qq.height else {}
+    n_t = dict(turns.group_by("user_id").len().iter_rows()) if turns.height else {}
+    stats = {u: {"turns": n_t.get(u, 0), "quarantined": n_q.get(u, 0),
+                 "fingerprint": fingerprints.get(u, _EMPTY_FINGERPRINT)} for u in user_ids}
+    fp = pl.DataFrame(
+        {"user_id": user_ids, "fingerprint": [stats[u]["fingerprint"] for u in user_ids],
+         "n_turns": [stats[u]["turns"] for u in user_ids], "n_quarantined": [stats[u]["quarantined"] for u in user_ids],
+         "code_version": [stage_version("turns")] * len(user_ids)},
+        schema=FINGERPRINT_SCHEMA,
+    )
+    if user_ids:
+        layout.replace_users("turns", user_ids, turns)
+        layout.replace_or_remove_users("quarantine", user_ids, qq)
+        # Recorded only after the user's data is in place: a fingerprint vouches for its turns.
+        layout.replace_users("fingerprints", user_ids, fp)
+    if progress:
+        progress(len(user_ids), len(user_ids))
     return stats
 
 

@@ -1,14 +1,14 @@
 """Per-user checkpoints of finished decomposition calls, so a crashed or failed run never pays twice.
 
 Every finished (episode, memory type) call — memories parsed, or quarantined after its retry —
-is appended to `<data>/memory_checkpoints/user_id=<id>/batch-<run>-<n>.parquet` (temp file +
-rename) as it finishes (`record`, flushed within a second or a few dozen calls; `flush` on
-failure). A rerun loads them and sends only the missing calls to the LLM.
+is appended as a row of the `memory_checkpoints` table (one Delta commit per append, so a crash
+keeps every append before it) as it finishes (`record`, flushed within a second or a few dozen calls;
+`flush` on failure). A rerun loads them and sends only the missing calls to the LLM.
 The key hashes the exact prompt (episode transcript, type instruction, system text), the prompt
 version, the model id and max_tokens, so a changed episode, prompt or model is recomputed, never
-served stale. When a user's memories are written, `compact` folds the batches into one
-`part-0.parquet` holding only the keys still in use; it stays as a result cache (a rerun after a
-later-stage crash repeats no call), and, living under `user_id=<id>`, it goes with `forget`.
+served stale. When a user's memories are written, `compact` replaces the user's rows with only the
+keys still in use; they stay as a result cache (a rerun after a later-stage crash repeats no call),
+and, being rows of a user-keyed table, they go with `forget`.
 """
 
 import hashlib
@@ -17,13 +17,12 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from qumem_pipeline.memories.recording import BufferedRecorder
-from qumem_pipeline.storage.layout import PART_FILE, TMP_PREFIX, DataLayout, atomic_write_parquet
+from qumem_pipeline.storage.layout import DataLayout
 
 TABLE = "memory_checkpoints"
 
@@ -84,68 +83,46 @@ class CallOutcome:
 
 
 class CheckpointStore(BufferedRecorder):
-    """Append-only per-user checkpoint files under the data root; `record`/`flush` (BufferedRecorder)
-    take one finished call at a time and write them in small groups through `append`."""
+    """Finished calls as rows of the user-keyed `memory_checkpoints` table under the data root; `record`/`flush`
+    (BufferedRecorder) take one finished call at a time and write them in small groups through `append`."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
-        self.layout = DataLayout(root)
+    def __init__(self, root: "str | os.PathLike | DataLayout") -> None:
+        self.layout = root if isinstance(root, DataLayout) else DataLayout(root)
         self._run = f"{time.time_ns()}-{os.getpid()}"
-        self._seq = 0
-        self.unreadable: list[Path] = []
-
-    def user_dir(self, user_id: str) -> Path:
-        return self.layout.user_dir(TABLE, user_id)
-
-    def files(self, user_id: str) -> list[Path]:
-        d = self.user_dir(user_id)
-        if not d.exists():
-            return []
-        return sorted(p for p in d.glob("*.parquet") if not p.name.startswith(TMP_PREFIX))
+        self.unreadable: list[str] = []
 
     def load(self, user_ids: list[str]) -> dict[str, CallOutcome]:
-        """Every finished call of these users, by key. An unreadable file is skipped (its calls rerun)."""
+        """Every finished call of these users, by key (a later append wins). An unreadable table is
+        skipped, recorded in `unreadable` (its calls rerun): it is a cache, losing it costs calls only."""
+        try:
+            df = self.layout.read_table(TABLE, list(user_ids))
+        except Exception:  # noqa: BLE001 - a cache: losing it costs calls, not correctness
+            self.unreadable.append(self.layout.table_dir(TABLE))
+            return {}
         out: dict[str, CallOutcome] = {}
-        for u in user_ids:
-            for p in self.files(u):
-                try:
-                    df = pl.read_parquet(p)
-                except Exception:  # noqa: BLE001 - a cache: losing it costs calls, not correctness
-                    self.unreadable.append(p)
-                    continue
-                for r in df.iter_rows(named=True):
-                    out[r["key"]] = CallOutcome.from_row(r)
+        if df is not None:
+            for r in df.iter_rows(named=True):
+                out[r["key"]] = CallOutcome.from_row(r)
         return out
 
-    def append(self, outcomes: list[CallOutcome]) -> list[Path]:
-        """Write one new batch file per user for these finished calls (atomic)."""
-        by_user: dict[str, list[CallOutcome]] = {}
-        for o in outcomes:
-            by_user.setdefault(o.user_id, []).append(o)
-        written = []
-        for u, rows in sorted(by_user.items()):
-            self._seq += 1
-            written.append(self._write(self.user_dir(u) / f"batch-{self._run}-{self._seq:06d}.parquet", rows))
-        return written
+    def append(self, outcomes: list[CallOutcome]) -> int:
+        """Record these finished calls (all users) in one commit; returns the table version."""
+        if not outcomes:
+            return -1
+        return self.layout.store.append(TABLE, self._frame(outcomes))
 
-    def compact(self, user_id: str, keep_keys: set[str]) -> Path | None:
-        """Fold the user's batches into part-0.parquet with only `keep_keys`; drop the batch files."""
-        old = self.files(user_id)
-        rows = {k: o for k, o in self.load([user_id]).items() if k in keep_keys}
-        target = self.user_dir(user_id) / PART_FILE
-        path = None
-        if rows:
-            path = self._write(target, [rows[k] for k in sorted(rows)])
-        else:
-            target.unlink(missing_ok=True)
-        for p in old:
-            if p != target:
-                p.unlink(missing_ok=True)
-        if not rows:
-            try:
-                self.user_dir(user_id).rmdir()
-            except OSError:
-                pass
-        return path
+    def compact(self, user_id: str, keep_keys: set[str]) -> int:
+        """Keep only `keep_keys` of the user's checkpoints (one row per key)."""
+        return self.compact_users({user_id: keep_keys})
 
-    def _write(self, target: Path, rows: list[CallOutcome]) -> Path:
-        return atomic_write_parquet(pl.DataFrame([o.to_row() for o in rows], schema=CHECKPOINT_SCHEMA), target)
+    def compact_users(self, keep_by_user: dict[str, set[str]]) -> int:
+        """`compact` for many users in one commit: each user's rows become their kept keys, deduplicated."""
+        if not keep_by_user:
+            return -1
+        loaded = self.load(sorted(keep_by_user))
+        rows = [o for k, o in sorted(loaded.items()) if k in keep_by_user.get(o.user_id, set())]
+        return self.layout.replace_or_remove_users(TABLE, sorted(keep_by_user), self._frame(rows))
+
+    @staticmethod
+    def _frame(rows: list[CallOutcome]) -> pl.DataFrame:
+        return pl.DataFrame([o.to_row() for o in rows], schema=CHECKPOINT_SCHEMA)

@@ -1,8 +1,15 @@
 """Forgetting a user: remove them from every table, index and the warehouse, and keep them out.
 
+Deleting rows from a Delta table only writes new files without them: the old files stay for time
+travel until vacuum. So forget deletes the user's rows from every table, then vacuums every table
+with zero retention (every unreferenced file removed, orphans of killed writers included) and
+expires the transaction log (older commits name the users they touched): afterwards no object of
+the data root holds the user's data.
+
 The archive a user came from usually still exists (it is the source system's data), so a
 forgotten user would reappear at the next discovery. The registry keeps an unsalted
-sha256 of each forgotten id (not the id itself) and ingest/discovery skip matching users.
+sha256 of each forgotten id (not the id itself), as rows of the `forgotten_users` table, and
+ingest/discovery skip matching users.
 """
 
 import hashlib
@@ -10,7 +17,18 @@ import json
 import os
 from pathlib import Path
 
+import polars as pl
+
 from qumem_pipeline.contracts.ids import validate_user_id
+from qumem_pipeline.storage.table_store import TableStore, is_uri
+
+REGISTRY_TABLE = "forgotten_users"
+REGISTRY_KEY = "_registry"  # the registry is one partition key, not a user
+LEGACY_REGISTRY = Path("_meta") / "forgotten.json"  # before the table store
+# Files outside the log (a killed writer's orphans, or a live writer's not yet committed) younger
+# than this survive forget's vacuum. 0 = strict erasure; a run writing while forget vacuums then
+# fails its reads of the touched bucket until rerun. Raise it where forgets overlap runs.
+ORPHAN_GRACE_HOURS = int(os.environ.get("QUMEM_FORGET_ORPHAN_GRACE_HOURS", "0"))
 
 
 def _digest(user_id: str) -> str:
@@ -19,8 +37,12 @@ def _digest(user_id: str) -> str:
 
 class ForgetRegistry:
     def __init__(self, root: str | os.PathLike):
-        self.path = Path(root) / "_meta" / "forgotten.json"
-        self._digests: set[str] = set(json.loads(self.path.read_text())) if self.path.exists() else set()
+        self.store = TableStore(root)
+        df = self.store.read(REGISTRY_TABLE, [REGISTRY_KEY])
+        self._digests: set[str] = set() if df is None else set(df.filter(~df["user_placeholder"])["digest"].to_list())
+        legacy = None if is_uri(root) else Path(root) / LEGACY_REGISTRY
+        if legacy is not None and legacy.exists():
+            self._digests |= set(json.loads(legacy.read_text()))
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -31,17 +53,20 @@ class ForgetRegistry:
     def add(self, user_id: str) -> None:
         validate_user_id(user_id)
         self._digests.add(_digest(user_id))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(self._digests)))
-        os.replace(tmp, self.path)
+        self._save()
 
     def remove(self, user_id: str) -> None:
         """Re-admit a user (e.g. they re-consented); their data comes back on the next ingest."""
         self._digests.discard(_digest(user_id))
-        if self.path.exists() or self._digests:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(sorted(self._digests)))
+        if self._digests or self.store.exists(REGISTRY_TABLE):
+            self._save()
+
+    def digests(self) -> list[str]:
+        return sorted(self._digests)
+
+    def _save(self) -> None:
+        df = pl.DataFrame({"digest": sorted(self._digests)}, schema={"digest": pl.String})
+        self.store.replace(REGISTRY_TABLE, {REGISTRY_KEY: df})
 
 
 def forget_user(data_root: str | os.PathLike, warehouse_path: str | os.PathLike, user_id: str) -> dict:
@@ -51,6 +76,12 @@ def forget_user(data_root: str | os.PathLike, warehouse_path: str | os.PathLike,
 
     validate_user_id(user_id)
     ForgetRegistry(data_root).add(user_id)
-    removed = DataLayout(data_root).delete_user(user_id)
+    layout = DataLayout(data_root)
+    tables = layout.delete_user(user_id)
+    vacuumed = {}
+    for t in layout.tables():  # every table: a killed writer's orphan file may hold the user anywhere
+        vacuumed[t] = len(layout.store.vacuum(t, retention_hours=0, orphans_grace_hours=ORPHAN_GRACE_HOURS))
+        layout.store.expire_log(t)
     deleted_rows = Warehouse(warehouse_path).delete_user(user_id)
-    return {"removed_dirs": [str(p) for p in removed], "warehouse_rows_deleted": deleted_rows}
+    return {"removed_dirs": tables, "tables": tables, "files_vacuumed": vacuumed,
+            "warehouse_rows_deleted": deleted_rows}

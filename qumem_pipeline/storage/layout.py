@@ -1,67 +1,49 @@
-"""Hive-partitioned Parquet under one data root: `<root>/<table>/user_id=<id>/part-0.parquet`.
+"""The per-user table interface every stage uses, over the Delta table store (storage/table_store.py).
 
-One file per (table, user), replaced atomically (temp file in the same directory + rename),
-so a crashed run leaves either the old file or the new one, never half of either, and a
-rerun simply overwrites. Every per-user artifact (tables, index files) lives under a
-`user_id=<id>` directory, which is what makes forgetting a user complete and simple.
+Stages keep thinking in "this user's rows of table T": `write_user_table`, `read_user_table`,
+`read_table`, `users_in`, `delete_user`. Underneath there are no per-user files: each table is one
+Delta table partitioned by user bucket, and `replace_users` writes all of a run's users of a table
+in ONE transaction (assets use it), so a killed run leaves the previous version and a rerun converges.
+A user written with no rows stays "present, empty" (a placeholder row the reads hide), which is how
+stages tell "nothing here" from "not materialized yet".
+
+`write_parquet` / `atomic_write_parquet` remain for files that are not tables (exports, benches).
 """
 
-import os
 import itertools
+import os
 import re
-import shutil
 import threading
 from pathlib import Path
+from typing import Iterable
 
 import polars as pl
 
 from qumem_pipeline.contracts.ids import validate_user_id
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.storage.table_store import PLACEHOLDER, STORE_COLUMNS, KEY, TableStore, is_uri
 
 PART_FILE = "part-0.parquet"
 TMP_PREFIX = ".tmp-"
-# Renames are atomic against process crashes without fsync; QUMEM_FSYNC=1 also survives power
-# loss (costs ~2 ms per file here). Every stage is idempotent, so a rerun repairs either way.
+# Renames are atomic against process crashes without fsync; QUMEM_FSYNC=1 also survives power loss.
 FSYNC = os.environ.get("QUMEM_FSYNC", "0") == "1"
 _TMP_SEQ = itertools.count()  # next() on a count is atomic under the GIL
 _TMP_PID = re.compile(re.escape(TMP_PREFIX) + r"(\d+)-")
 
 
 def temp_prefix() -> str:
-    """Temp names carry the writer's pid, so cleanup removes only files whose writer is gone
-    (a concurrent run's in-flight temp file is not an orphan)."""
+    """Temp names carry the writer's pid, so cleanup removes only files whose writer is gone."""
     return f"{TMP_PREFIX}{os.getpid()}-"
 
 
-def _writer_alive(name: str) -> bool:
-    m = _TMP_PID.match(name)
-    if m is None:
-        return False  # no pid in the name: left by an older version, an orphan
-    pid = int(m.group(1))
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def write_parquet(df: pl.DataFrame, path: str | os.PathLike) -> None:
-    """Encode one file with polars' native writer (zstd, statistics on; the GIL is released, so
-    writer threads run in parallel). pyarrow's `write_table` after `to_arrow()` measured ~3x
-    slower on per-user frames, mostly in converting polars' string views."""
+    """Encode one file with polars' native writer (zstd, statistics on; the GIL is released)."""
     df.write_parquet(path, compression="zstd", statistics=True)
 
 
 def atomic_write_parquet(df: pl.DataFrame, target: Path) -> Path:
-    """Write `target` via a pid-named temp file and a rename: readers see the old file or the new
-    one, never half of one, and a crashed writer leaves only a temp file cleanup can recognise."""
+    """Write `target` via a pid-named temp file and a rename: readers see the old file or the new one."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # A name no other writer uses (pid, thread, counter): the writer creates the file itself,
-    # one file creation instead of mkstemp's create + reopen.
     tmp = target.parent / f"{temp_prefix()}{threading.get_ident()}-{next(_TMP_SEQ)}.parquet"
     try:
         write_parquet(df, tmp)
@@ -75,28 +57,47 @@ def atomic_write_parquet(df: pl.DataFrame, target: Path) -> Path:
     return target
 
 
+def _check_key(user_id: str) -> str:
+    if user_id != UNATTRIBUTED:
+        validate_user_id(user_id)
+    return user_id
+
+
+def _data(df: pl.DataFrame) -> pl.DataFrame:
+    """A store read as the stage wrote it: placeholder rows and store columns dropped."""
+    return df.filter(~pl.col(PLACEHOLDER)).drop([c for c in STORE_COLUMNS if c in df.columns])
+
+
 class DataLayout:
-    """Paths and atomic reads/writes of every per-user table under the data root."""
+    """Reads and transactional writes of every per-user table under the data root (local or URI)."""
 
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+    def __init__(self, root: str | os.PathLike, n_buckets: int | None = None):
+        self.root = str(root) if is_uri(root) else Path(root)
+        self.store = TableStore(self.root, n_buckets=n_buckets)
 
-    def table_dir(self, table: str) -> Path:
-        if not table.replace("_", "").isalnum():
-            raise ValueError(f"invalid table name {table!r}")
-        return self.root / table
+    @property
+    def is_remote(self) -> bool:
+        return isinstance(self.root, str)
 
-    def user_dir(self, table: str, user_id: str) -> Path:
-        if user_id != UNATTRIBUTED:
-            validate_user_id(user_id)
-        return self.table_dir(table) / f"user_id={user_id}"
+    def table_dir(self, table: str) -> str:
+        """Where the table lives (its Delta table URI), for messages and external readers."""
+        return self.store.uri(table)
 
-    def user_file(self, table: str, user_id: str) -> Path:
-        return self.user_dir(table, user_id) / PART_FILE
+    # ------------------------------------------------------------------ writes
+    def write_user_table(self, table: str, user_id: str, df: pl.DataFrame) -> int:
+        """Replace one user's rows of `table` (an empty frame is recorded too). One commit per call:
+        stages writing many users use `replace_users`."""
+        return self.store.replace(table, {_check_key(user_id): df})
 
-    def write_user_table(self, table: str, user_id: str, df: pl.DataFrame) -> Path:
-        """Atomically replace one user's partition of `table` (an empty frame is written too)."""
-        return atomic_write_parquet(df, self.user_file(table, user_id))
+    def replace_users(self, table: str, users: Iterable[str], df: pl.DataFrame, key: str = "user_id") -> int:
+        """Replace all of `users`' rows of `table` with `df` (rows keyed by `df[key]`) in ONE transaction;
+        users without rows in `df` are recorded as present and empty."""
+        users = [_check_key(u) for u in dict.fromkeys(users)]
+        return self.store.replace_keyed(table, users, df, key_column=key)
+
+    def replace_parts(self, table: str, parts: dict[str, pl.DataFrame]) -> int:
+        """One transaction from user -> rows (for rows whose key is not a column, e.g. unattributed)."""
+        return self.store.replace(table, {_check_key(u): f for u, f in parts.items()})
 
     def write_or_remove_user_table(self, table: str, user_id: str, df: pl.DataFrame) -> None:
         """For sparse tables (quarantines, query states): rows -> write; none -> drop a stale partition."""
@@ -105,65 +106,70 @@ class DataLayout:
         else:
             self.remove_user_table(table, user_id)
 
-    def remove_user_table(self, table: str, user_id: str) -> bool:
-        """Drop one user's partition of `table` (e.g. their quarantine is now empty)."""
-        path = self.user_file(table, user_id)
-        if path.exists():
-            path.unlink()
-            try:
-                path.parent.rmdir()
-            except OSError:
-                pass
-            return True
-        return False
+    def replace_or_remove_users(self, table: str, users: Iterable[str], df: pl.DataFrame, key: str = "user_id") -> int:
+        """Sparse tables, batched: users with rows are replaced, users without are removed; one commit."""
+        users = [_check_key(u) for u in dict.fromkeys(users)]
+        return self.store.replace_keyed(table, users, df, key_column=key, placeholders=False)
 
+    def remove_user_table(self, table: str, user_id: str) -> bool:
+        """Drop one user's rows of `table` (e.g. their quarantine is now empty)."""
+        return self.store.delete(table, [_check_key(user_id)]) > 0
+
+    # ------------------------------------------------------------------ reads
     def read_user_table(self, table: str, user_id: str) -> pl.DataFrame | None:
-        path = self.user_file(table, user_id)
-        return pl.read_parquet(path) if path.exists() else None
+        """The user's rows, an empty frame if written empty, None if never written."""
+        df = self.store.read(table, [_check_key(user_id)])
+        if df is None or df.height == 0:
+            return None
+        return _data(df)
+
+    def read_users(self, table: str, users: Iterable[str]) -> dict[str, pl.DataFrame]:
+        """user -> rows for the present ones among `users`, in one read."""
+        users = [_check_key(u) for u in dict.fromkeys(users)]
+        df = self.store.read(table, users)
+        if df is None or df.height == 0:
+            return {}
+        out = {k[0]: _data(v) for k, v in df.partition_by(KEY, as_dict=True, maintain_order=True).items()}
+        return {u: out[u] for u in users if u in out}
 
     def read_table(self, table: str, user_ids: list[str] | None = None) -> pl.DataFrame | None:
-        files = self.table_files(table, user_ids)
-        return pl.read_parquet(files) if files else None
+        """Rows of `user_ids` (all users when None), in user order; None when none of them is present."""
+        df = self.store.read(table, None if user_ids is None else [_check_key(u) for u in user_ids])
+        if df is None or df.height == 0:
+            return None
+        if user_ids is not None:
+            order = {u: i for i, u in enumerate(dict.fromkeys(user_ids))}
+            df = df.with_columns(pl.col(KEY).replace_strict(order, return_dtype=pl.Int64).alias("__o")) \
+                .sort("__o", maintain_order=True).drop("__o")
+        return _data(df)
 
-    def table_files(self, table: str, user_ids: list[str] | None = None) -> list[Path]:
-        base = self.table_dir(table)
-        if user_ids is None:
-            return sorted(base.glob(f"user_id=*/{PART_FILE}")) if base.exists() else []
-        return [p for p in (self.user_file(table, u) for u in user_ids) if p.exists()]
+    def users_present(self, table: str, user_ids: Iterable[str]) -> list[str]:
+        """Which of `user_ids` have been written to `table` (with rows or empty)."""
+        user_ids = [_check_key(u) for u in user_ids]
+        df = self.store.read(table, user_ids, columns=[KEY])
+        have = set() if df is None else set(df[KEY].unique().to_list())
+        return [u for u in user_ids if u in have]
 
     def tables(self) -> list[str]:
-        if not self.root.exists():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and any(p.glob("user_id=*")))
+        return self.store.tables()
 
     def users_in(self, table: str) -> list[str]:
-        base = self.table_dir(table)
-        if not base.exists():
-            return []
-        return sorted(p.name.split("=", 1)[1] for p in base.glob("user_id=*") if p.is_dir())
+        return self.store.users_in(table)
 
-    def delete_user(self, user_id: str) -> list[Path]:
-        """Remove the user's directory from every table (and any index files under it)."""
+    # ------------------------------------------------------------------ deletion / maintenance
+    def delete_user(self, user_id: str) -> list[str]:
+        """Delete the user's rows from every table (one commit per table that held them); returns those tables.
+        Old file versions stay until `vacuum` (forget runs it with zero retention)."""
         validate_user_id(user_id)
-        removed = []
-        if not self.root.exists():
-            return removed
-        for table_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            d = table_dir / f"user_id={user_id}"
-            if d.exists():
-                shutil.rmtree(d)
-                removed.append(d)
-        return removed
+        return [t for t in self.tables() if self.store.delete(t, [user_id]) > 0]
+
+    def vacuum(self, retention_hours: int | None = None) -> dict[str, int]:
+        return {t: len(self.store.vacuum(t, retention_hours)) for t in self.tables()}
+
+    def compact(self) -> dict[str, dict]:
+        return {t: self.store.compact(t) for t in self.tables()}
 
     def clean_temp_files(self) -> int:
-        """Remove temp files a killed writer left behind; safe because targets are only ever renamed into.
-
-        Files of a live writer (another run in progress, named by its pid) are left alone."""
-        n = 0
-        if self.root.exists():
-            for p in self.root.rglob(f"{TMP_PREFIX}*"):
-                if _writer_alive(p.name):
-                    continue
-                p.unlink(missing_ok=True)
-                n += 1
-        return n
+        """Kept for callers: Delta writes leave no temp files to clean (a killed writer's orphan data
+        files are outside the log, never read, and removed by `vacuum`)."""
+        return 0

@@ -1,4 +1,4 @@
-"""The DuckDB warehouse: one table per stage, refreshed per user, plus Parquet export.
+"""The DuckDB warehouse: one table per stage, refreshed per user from the Delta tables, plus Parquet export.
 
 Stages register their table names in WAREHOUSE_TABLES; loading a set of users replaces
 exactly those users' rows in one transaction, so reruns converge and other users are
@@ -36,6 +36,14 @@ WAREHOUSE_TABLES: list[str] = [
     "turns", "quarantine", "fingerprints", "episodes", "memories", "memory_quarantine", "llm_ledger",
     "query_states", "query_quarantine", "persona_profiles",
 ]
+
+
+def default_warehouse_path(data_root: str | os.PathLike) -> Path:
+    """<data_root>/warehouse.duckdb for a local root; DuckDB needs a local file, so for an object-store
+    root it is ./warehouse.duckdb (set QUMEM_WAREHOUSE to choose)."""
+    if "://" in str(data_root):
+        return Path.cwd() / "warehouse.duckdb"
+    return Path(data_root) / "warehouse.duckdb"
 
 
 def register_table(name: str) -> None:
@@ -96,34 +104,20 @@ class Warehouse:
                 con.close()
 
     def load_users(self, layout: DataLayout, user_ids: list[str], tables: list[str] | None = None) -> dict[str, int]:
-        """Replace the given users' rows in every table from their Parquet partitions."""
+        """Replace the given users' rows in every table from the Delta tables' active files.
+
+        Rows are read through deltalake/pyarrow (DuckDB's delta extension is downloaded at first use,
+        which a machine without network cannot do) and handed to DuckDB as Arrow."""
         for u in user_ids:
             validate_user_id(u)
         loaded: dict[str, int] = {}
         with self.connect() as con:
             for table in tables or WAREHOUSE_TABLES:
-                files = [str(p) for p in layout.table_files(table, user_ids)]
+                df = layout.read_table(table, user_ids)
                 exists = self._has_table(con, table)
-                if not files and not exists:
+                if df is None and not exists:
                     continue
-                con.execute("BEGIN TRANSACTION")
-                try:
-                    if not exists:
-                        con.execute(
-                            f'CREATE TABLE "{table}" AS SELECT * FROM read_parquet(?, union_by_name=true) LIMIT 0',
-                            [files],
-                        )
-                    con.execute(f'DELETE FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids])
-                    if files:
-                        self._add_missing_columns(con, table, files)
-                        con.execute(
-                            f'INSERT INTO "{table}" BY NAME SELECT * FROM read_parquet(?, union_by_name=true)',
-                            [files],
-                        )
-                    con.execute("COMMIT")
-                except BaseException:
-                    con.execute("ROLLBACK")
-                    raise
+                self._replace(con, table, df, 'user_id IN (SELECT unnest(?))', [user_ids], exists)
                 fault_point("warehouse.table")  # crash tests: some tables refreshed, the rest not yet
                 loaded[table] = con.execute(
                     f'SELECT count(*) FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids]
@@ -132,24 +126,34 @@ class Warehouse:
 
     def load_unattributed(self, layout: DataLayout, key: str) -> int:
         """Mirror quarantined rows that have no valid user id (their own partition) into `quarantine`."""
-        path = layout.user_file("quarantine", key)
-        if not path.exists():
+        df = layout.read_user_table("quarantine", key)
+        if df is None:
             return 0
         with self.connect() as con:
-            if not self._has_table(con, "quarantine"):
-                con.execute("CREATE TABLE quarantine AS SELECT * FROM read_parquet(?) LIMIT 0", [str(path)])
-            con.execute("BEGIN TRANSACTION")
-            try:
-                con.execute(
-                    "DELETE FROM quarantine WHERE user_id IS NULL OR NOT regexp_full_match(user_id, ?) OR contains(user_id, '..')",
-                    [USER_ID_PATTERN.pattern],
-                )
-                con.execute("INSERT INTO quarantine BY NAME SELECT * FROM read_parquet(?)", [str(path)])
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
-            return con.execute("SELECT count(*) FROM read_parquet(?)", [str(path)]).fetchone()[0]
+            self._replace(con, "quarantine", df,
+                          "user_id IS NULL OR NOT regexp_full_match(user_id, ?) OR contains(user_id, '..')",
+                          [USER_ID_PATTERN.pattern], self._has_table(con, "quarantine"))
+        return df.height
+
+    def _replace(self, con, table: str, df, where: str, params: list, exists: bool) -> None:
+        """In one DuckDB transaction: delete the rows matching `where`, insert `df` (new columns added)."""
+        con.execute("BEGIN TRANSACTION")
+        try:
+            if df is not None:
+                con.register("incoming", df.to_arrow())
+            if not exists:
+                con.execute(f'CREATE TABLE "{table}" AS SELECT * FROM incoming LIMIT 0')
+            con.execute(f'DELETE FROM "{table}" WHERE {where}', params)
+            if df is not None:
+                self._add_missing_columns(con, table)
+                con.execute(f'INSERT INTO "{table}" BY NAME SELECT * FROM incoming')
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        finally:
+            if df is not None:
+                con.unregister("incoming")
 
     @staticmethod
     def _has_table(con: duckdb.DuckDBPyConnection, table: str) -> bool:
@@ -161,11 +165,10 @@ class Warehouse:
         )
 
     @staticmethod
-    def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str]) -> None:
+    def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str) -> None:
         """A stage that gains a column must not break loading into an older warehouse."""
         have = {r[0] for r in con.execute(f'DESCRIBE "{table}"').fetchall()}
-        incoming = con.execute("DESCRIBE SELECT * FROM read_parquet(?, union_by_name=true)", [files]).fetchall()
-        for name, dtype, *_ in incoming:
+        for name, dtype, *_ in con.execute("DESCRIBE SELECT * FROM incoming").fetchall():
             if name not in have:
                 con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {dtype}')
 

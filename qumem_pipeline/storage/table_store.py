@@ -1,0 +1,443 @@
+"""One Delta Lake table per pipeline table under a data root URI (local path, `s3://`, `gs://`, `az://`).
+
+Why Delta and this layout: one Parquet file per user per table does not scale (millions of files,
+~1 ms each) and cannot live in object storage transactionally. Here every table is a Delta table
+partitioned by `user_bucket = user_bucket(user_key) mod N` (N fixed at creation, recorded in the
+table's description, enforced after), with rows sorted by `user_key` inside each file so row-group
+statistics prune a user lookup. Statistics are kept for the key columns only, so no user text is
+copied into the transaction log.
+
+Store-owned columns (dropped on read by `DataLayout`; external readers filter `NOT user_placeholder`):
+- `user_key`: the partition user (the row's `user_id`, or `__unattributed__` for bad rows without one);
+- `user_bucket`: the hash bucket of `user_key` (the Delta partition column);
+- `user_placeholder`: true on the one all-null row that records "this user was written with no rows",
+  so an empty result stays distinguishable from "never written".
+
+`replace` is one Delta commit per call (`write_deltalake(mode="overwrite", predicate=...)`: the
+users' old rows out, the new rows in), so a writer killed mid-write leaves the previous version;
+concurrent commits on disjoint users both land (delta-rs' conflict checker, plus our retry).
+Credentials for object stores come from the environment as delta-rs reads them (AWS_*, GOOGLE_*,
+AZURE_*); on S3, delta-rs >= 1.0 commits with conditional puts, so no locking provider is needed.
+"""
+
+import json
+import os
+import random
+import re
+import time
+from pathlib import Path
+from typing import Iterable
+
+import polars as pl
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+from deltalake import CommitProperties, DeltaTable, WriterProperties, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+
+from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
+
+KEY, BUCKET, PLACEHOLDER = "user_key", "user_bucket", "user_placeholder"
+STORE_COLUMNS = (KEY, BUCKET, PLACEHOLDER)
+DESCRIPTION_TAG = "qumem-table-store"
+COMMIT_RETRIES = int(os.environ.get("QUMEM_COMMIT_RETRIES", "20"))
+TARGET_FILE_SIZE = int(os.environ.get("QUMEM_TARGET_FILE_BYTES", str(256 * 1024 * 1024)))
+_TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_WRITER = WriterProperties(compression="ZSTD")
+
+
+class SchemaEvolutionError(ValueError):
+    """New rows do not fit the table's schema in a way the evolution rule allows."""
+
+
+class BucketMismatchError(ValueError):
+    """The deployment's bucket count differs from the one a table was created with."""
+
+
+def configured_buckets() -> int | None:
+    v = os.environ.get("QUMEM_USER_BUCKETS")
+    return int(v) if v else None
+
+
+def is_uri(root: str | os.PathLike) -> bool:
+    return "://" in str(root) and not str(root).startswith("file://")
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+# Delta has no unsigned ints, small ints round-trip, fixed-size arrays come back as lists: the
+# logical polars dtypes of such columns are kept in the table description and restored on read.
+def _dtype_to_str(dt: pl.DataType) -> str:
+    if isinstance(dt, pl.Array):
+        return f"Array({_dtype_to_str(dt.inner)},{dt.size})"
+    return str(dt.base_type().__name__)
+
+
+def _dtype_from_str(s: str) -> pl.DataType:
+    m = re.fullmatch(r"Array\((.+),(\d+)\)", s)
+    if m:
+        return pl.Array(_dtype_from_str(m.group(1)), int(m.group(2)))
+    return getattr(pl, s)()
+
+
+def _lossy(dt: pl.DataType) -> bool:
+    return isinstance(dt, pl.Array) or dt in (pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64)
+
+
+class TableStore:
+    """Every table of one data root; a DeltaTable handle per table is cached and refreshed on use."""
+
+    def __init__(self, root: str | os.PathLike, n_buckets: int | None = None,
+                 storage_options: dict[str, str] | None = None):
+        self.root = str(root).rstrip("/") if is_uri(root) else str(Path(root).absolute())
+        self.n_buckets = n_buckets if n_buckets is not None else configured_buckets()
+        self.storage_options = storage_options
+        self._tables: dict[str, DeltaTable] = {}
+
+    # ------------------------------------------------------------------ naming and handles
+    def uri(self, table: str) -> str:
+        if not _TABLE_NAME.match(table):
+            raise ValueError(f"invalid table name {table!r}")
+        return f"{self.root}/{table}"
+
+    def _open(self, table: str) -> DeltaTable | None:
+        dt = self._tables.get(table)
+        try:
+            if dt is None:
+                dt = DeltaTable(self.uri(table), storage_options=self.storage_options)
+                self._check_buckets(table, dt)
+                self._tables[table] = dt
+            else:
+                dt.update_incremental()
+        except TableNotFoundError:
+            self._tables.pop(table, None)
+            return None
+        return dt
+
+    def exists(self, table: str) -> bool:
+        return self._open(table) is not None
+
+    def _meta(self, dt: DeltaTable) -> dict:
+        try:
+            meta = json.loads(dt.metadata().description or "{}")
+        except json.JSONDecodeError:
+            meta = {}
+        return meta if meta.get("tag") == DESCRIPTION_TAG else {}
+
+    def _check_buckets(self, table: str, dt: DeltaTable) -> None:
+        have = self._meta(dt).get("user_buckets")
+        if have is None:
+            raise BucketMismatchError(f"table {self.uri(table)} was not created by the table store (no bucket count)")
+        if self.n_buckets is not None and int(have) != self.n_buckets:
+            raise BucketMismatchError(
+                f"table {self.uri(table)} has {have} user buckets, this deployment is configured with "
+                f"{self.n_buckets} (QUMEM_USER_BUCKETS); the count is fixed for a table's life")
+
+    def buckets_of(self, table: str) -> int:
+        dt = self._open(table)
+        if dt is None:
+            return self.n_buckets or DEFAULT_BUCKETS
+        return int(self._meta(dt)["user_buckets"])
+
+    def tables(self) -> list[str]:
+        """Names of the Delta tables under the root."""
+        fs, base = self.filesystem()
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        out = []
+        for info in infos:
+            if info.type == pafs.FileType.Directory and _TABLE_NAME.match(info.base_name):
+                if fs.get_file_info(f"{info.path}/_delta_log").type == pafs.FileType.Directory:
+                    out.append(info.base_name)
+        return sorted(out)
+
+    def filesystem(self) -> tuple[pafs.FileSystem, str]:
+        """A pyarrow filesystem and base path for the root (object stores configured from the environment)."""
+        return filesystem_for(self.root)
+
+    # ------------------------------------------------------------------ reads
+    def schema(self, table: str) -> pl.Schema | None:
+        dt = self._open(table)
+        if dt is None:
+            return None
+        arrow = dt.schema().to_arrow()
+        empty = pl.from_arrow(pads.dataset([], schema=_pa_schema(arrow)).to_table())
+        return self._restore(dt, empty).schema
+
+    def read(self, table: str, users: Iterable[str] | None = None, columns: list[str] | None = None) -> pl.DataFrame | None:
+        """Rows of `users` (all when None), store columns included; None when the table does not exist.
+
+        Partition pruning on `user_bucket`, then a `user_key` predicate that row-group statistics prune."""
+        dt = self._open(table)
+        if dt is None:
+            return None
+        ds = dt.to_pyarrow_dataset()
+        flt = None
+        if users is not None:
+            users = sorted(set(users))
+            n = int(self._meta(dt)["user_buckets"])
+            buckets = sorted({user_bucket(u, n) for u in users})
+            flt = pads.field(BUCKET).isin(buckets) & pads.field(KEY).isin(users)
+        cols = None if columns is None else list(dict.fromkeys([*columns, KEY, PLACEHOLDER]))
+        df = pl.from_arrow(ds.to_table(filter=flt, columns=cols))
+        if not isinstance(df, pl.DataFrame):  # pragma: no cover - from_arrow of a table is a frame
+            df = df.to_frame()
+        return self._restore(dt, df).sort(KEY, maintain_order=True)
+
+    def users_in(self, table: str) -> list[str]:
+        df = self.read(table, columns=[KEY])
+        return [] if df is None else sorted(df[KEY].unique().to_list())
+
+    def files(self, table: str) -> list[str]:
+        dt = self._open(table)
+        return [] if dt is None else dt.file_uris()
+
+    def version(self, table: str) -> int | None:
+        dt = self._open(table)
+        return None if dt is None else dt.version()
+
+    def _restore(self, dt: DeltaTable, df: pl.DataFrame) -> pl.DataFrame:
+        hints = {c: _dtype_from_str(s) for c, s in self._meta(dt).get("dtypes", {}).items() if c in df.columns}
+        return df.cast(hints) if hints else df
+
+    # ------------------------------------------------------------------ writes
+    def replace(self, table: str, parts: dict[str, pl.DataFrame], *, operation: str = "replace") -> int:
+        """Replace the rows of each user in `parts` (user -> rows; an empty frame records "no rows")
+        with one Delta commit. Returns the table version written (-1 when `parts` is empty)."""
+        if not parts:
+            return -1
+        frames = [f.with_columns(pl.lit(u, pl.String).alias(KEY)) for u, f in parts.items() if f.height]
+        empty = [u for u, f in parts.items() if not f.height]
+        nonempty = [f for f in parts.values() if f.height]
+        template = pl.concat([f.clear() for f in nonempty or parts.values()], how="diagonal_relaxed")
+        return self._write(table, list(parts), frames, empty, template, operation)
+
+    def replace_keyed(self, table: str, users: list[str], rows: pl.DataFrame, key_column: str = "user_id",
+                      placeholders: bool = True) -> int:
+        """Like `replace`, with every row's user taken from `key_column` (one frame, no per-user split).
+        Users without rows are recorded empty (`placeholders`) or simply left with no rows."""
+        users = list(dict.fromkeys(users))
+        if not users:
+            return -1
+        keys = rows.get_column(key_column).cast(pl.String)
+        if rows.height:
+            extra = set(keys.unique().drop_nulls().to_list()) - set(users)
+            if keys.null_count() or extra:
+                raise ValueError(f"table {table}: rows for users outside this replace ({sorted(extra)[:5]}, "
+                                 f"{keys.null_count()} without {key_column})")
+        present = set(keys.unique().to_list()) if rows.height else set()
+        frames = [rows.with_columns(keys.alias(KEY))] if rows.height else []
+        empty = [u for u in users if u not in present] if placeholders else []
+        if not frames and not empty and self._open(table) is None:
+            return -1  # nothing to remove from a table that does not exist
+        return self._write(table, users, frames, empty, rows, "replace")
+
+    def append(self, table: str, rows: pl.DataFrame, key_column: str = "user_id") -> int:
+        """Add rows (keyed by `key_column`) without touching existing ones: one commit (checkpoints)."""
+        if not rows.height:
+            return -1
+        keys = rows.get_column(key_column).cast(pl.String)
+        if keys.null_count():
+            raise ValueError(f"table {table}: {keys.null_count()} rows without {key_column}")
+        users = sorted(keys.unique().to_list())
+        return self._write(table, users, [rows.with_columns(keys.alias(KEY))], [], rows, "append")
+
+    def delete(self, table: str, users: Iterable[str]) -> int:
+        """Delete every row of `users` (one commit); returns rows deleted."""
+        users = sorted(set(users))
+        dt = self._open(table)
+        if dt is None or not users:
+            return 0
+        pred = self._predicate(users, int(self._meta(dt)["user_buckets"]))
+        for attempt in range(COMMIT_RETRIES):
+            try:
+                res = dt.delete(pred, writer_properties=_WRITER)
+                return int(res.get("num_deleted_rows", 0) or 0)
+            except (CommitFailedError, DeltaError) as exc:
+                if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
+                    raise
+                _backoff(attempt)
+                dt.update_incremental()
+        return 0  # pragma: no cover
+
+    def _predicate(self, users: list[str], n: int) -> str:
+        buckets = sorted({user_bucket(u, n) for u in users})
+        return (f"{BUCKET} IN ({', '.join(map(str, buckets))}) AND "
+                f"{KEY} IN ({', '.join(_quote(u) for u in sorted(users))})")
+
+    def _write(self, table: str, users: list[str], frames: list[pl.DataFrame], empty: list[str],
+               template: pl.DataFrame, operation: str) -> int:
+        for attempt in range(COMMIT_RETRIES):
+            try:
+                return self._write_once(table, users, frames, empty, template, operation)
+            except (CommitFailedError, DeltaError) as exc:
+                if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
+                    raise
+                _backoff(attempt)
+                self._tables.pop(table, None)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _write_once(self, table, users, frames, empty, template, operation) -> int:
+        dt = self._open(table)
+        data_cols = [c for c in template.columns if c not in STORE_COLUMNS]
+        table_schema = None if dt is None else self._data_schema(dt)
+        incoming = _normalise(template.select(data_cols).schema)
+        target, new_cols = _evolve(table, table_schema, incoming)
+        n = int(self._meta(dt)["user_buckets"]) if dt is not None else (self.n_buckets or DEFAULT_BUCKETS)
+        parts = [f.select([*(c for c in data_cols if c in f.columns), KEY]) for f in frames]
+        if empty:
+            parts.append(pl.DataFrame({KEY: empty}, schema={KEY: pl.String}))
+        df = pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame(schema={KEY: pl.String})
+        df = _conform(df, target).with_columns(
+            pl.col(KEY).is_in(empty).alias(PLACEHOLDER) if empty else pl.lit(False).alias(PLACEHOLDER))
+        buckets = {u: user_bucket(u, n) for u in users}
+        df = df.with_columns(pl.col(KEY).replace_strict(buckets, return_dtype=pl.Int32).alias(BUCKET))
+        df = df.select([KEY, BUCKET, PLACEHOLDER, *target.keys()]).sort(KEY, maintain_order=True)
+        arrow = df.to_arrow()
+        commit = CommitProperties(custom_metadata={"qumem.operation": operation, "qumem.users": str(len(users))})
+        if dt is None:
+            hints = {c: _dtype_to_str(t) for c, t in target.items() if _lossy(t)}
+            meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": hints}
+            write_deltalake(self.uri(table), arrow, mode="append", partition_by=[BUCKET],
+                            description=json.dumps(meta), configuration=_TABLE_CONFIG,
+                            storage_options=self.storage_options, writer_properties=_WRITER,
+                            target_file_size=TARGET_FILE_SIZE, commit_properties=commit)
+        else:
+            if new_cols:
+                self._record_hints(dt, {c: t for c, t in new_cols.items() if _lossy(t)})
+            append = operation == "append"
+            write_deltalake(dt, arrow, mode="append" if append else "overwrite",
+                            predicate=None if append else self._predicate(users, n),
+                            partition_by=[BUCKET], schema_mode="merge" if new_cols else None,
+                            storage_options=self.storage_options, writer_properties=_WRITER,
+                            target_file_size=TARGET_FILE_SIZE, commit_properties=commit)
+        self._tables.pop(table, None)
+        dt2 = self._open(table)
+        return dt2.version() if dt2 is not None else -1
+
+    def _data_schema(self, dt: DeltaTable) -> pl.Schema:
+        arrow = _pa_schema(dt.schema().to_arrow())
+        empty = self._restore(dt, pl.from_arrow(arrow.empty_table()))
+        return pl.Schema({c: t for c, t in empty.schema.items() if c not in STORE_COLUMNS})
+
+    def _record_hints(self, dt: DeltaTable, hints: dict[str, pl.DataType]) -> None:
+        if not hints:
+            return
+        meta = self._meta(dt)
+        meta.setdefault("dtypes", {}).update({c: _dtype_to_str(t) for c, t in hints.items()})
+        dt.alter.set_table_description(json.dumps(meta))
+
+    # ------------------------------------------------------------------ maintenance
+    def compact(self, table: str, target_size: int | None = None) -> dict:
+        """Bin-pack small files (each replace adds one per touched bucket) into large ones."""
+        dt = self._open(table)
+        if dt is None:
+            return {}
+        return dt.optimize.compact(target_size=target_size or TARGET_FILE_SIZE, writer_properties=_WRITER)
+
+    def vacuum(self, table: str, retention_hours: int | None = None, orphans_grace_hours: int | None = None) -> list[str]:
+        """Delete files the table no longer references: removed ones older than `retention_hours`
+        (None = the table's 7-day default), then untracked ones (orphans of killed writers) older than
+        `orphans_grace_hours` (None = same as retention). retention 0 is what forgetting needs."""
+        dt = self._open(table)
+        if dt is None:
+            return []
+        grace = retention_hours if orphans_grace_hours is None else orphans_grace_hours
+        removed = dt.vacuum(retention_hours=retention_hours, dry_run=False,
+                            enforce_retention_duration=retention_hours is None)
+        if grace is not None or retention_hours is None:
+            removed += dt.vacuum(retention_hours=grace, dry_run=False, enforce_retention_duration=grace is None,
+                                 full=True)
+        base = self.uri(table).rstrip("/") + "/"
+        return sorted({r[len(base):] if r.startswith(base) else r.lstrip("/") for r in removed})
+
+    def expire_log(self, table: str) -> None:
+        """Checkpoint the latest version and drop the older commit files (they name the users each
+        commit touched): history is given up so that a forgotten user's id leaves the log too."""
+        dt = self._open(table)
+        if dt is None:
+            return
+        dt.alter.set_table_properties({"delta.logRetentionDuration": "interval 0 seconds"})
+        dt.update_incremental()
+        dt.create_checkpoint()
+        dt.cleanup_metadata()
+        dt.alter.set_table_properties({"delta.logRetentionDuration": _TABLE_CONFIG["delta.logRetentionDuration"]})
+
+
+# Statistics only on the key columns: pruning needs user_key, and no user text enters the log.
+_TABLE_CONFIG = {
+    "delta.dataSkippingStatsColumns": f"{KEY},{BUCKET}",
+    "delta.logRetentionDuration": "interval 30 days",
+}
+
+
+def _pa_schema(arrow_schema):
+    import pyarrow as pa
+
+    return pa.schema(arrow_schema)
+
+
+def _normalise(schema: pl.Schema) -> pl.Schema:
+    """Dtypes as the store keeps them: microsecond timestamps (Delta's resolution), Null -> String."""
+    out = {}
+    for c, t in schema.items():
+        if isinstance(t, pl.Datetime) and t.time_unit == "ns":
+            t = pl.Datetime("us", t.time_zone)
+        elif t == pl.Null:
+            t = pl.String
+        out[c] = t
+    return pl.Schema(out)
+
+
+def _evolve(table: str, have: pl.Schema | None, incoming: pl.Schema) -> tuple[pl.Schema, dict]:
+    """The schema rule: new nullable columns are added; a changed or dropped type is an error."""
+    if have is None:
+        return incoming, {}
+    for c, t in incoming.items():
+        if c in have and have[c] != t:
+            raise SchemaEvolutionError(
+                f"table {table}: column {c!r} is {have[c]} in the store but {t} in the new rows; only new "
+                f"nullable columns may be added (write a migration for a type change)")
+    new = {c: t for c, t in incoming.items() if c not in have}
+    return pl.Schema({**dict(have), **new}), new
+
+
+def _conform(df: pl.DataFrame, target: pl.Schema) -> pl.DataFrame:
+    cols = []
+    for c, t in target.items():
+        if c in df.columns:
+            cols.append(pl.col(c).cast(t) if df.schema[c] != t else pl.col(c))
+        else:
+            cols.append(pl.lit(None, dtype=t).alias(c))
+    return df.select([pl.col(KEY), *cols])
+
+
+def _is_conflict(exc: Exception) -> bool:
+    if isinstance(exc, CommitFailedError):
+        return True
+    msg = str(exc).lower()
+    return any(s in msg for s in ("concurrent", "conflict", "version already exists", "transaction failed",
+                                  "already exists", "precondition"))
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(2.0, 0.02 * (2 ** attempt)) * (0.5 + random.random()))
+
+
+def filesystem_for(root: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow filesystem for a root URI; S3 honours AWS_ENDPOINT_URL / AWS_ALLOW_HTTP like delta-rs."""
+    if not is_uri(root):
+        return pafs.LocalFileSystem(), str(Path(root).absolute())
+    scheme, _, rest = root.partition("://")
+    if scheme in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        kw = {"region": os.environ.get("AWS_REGION", os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))}
+        if endpoint:
+            kw["endpoint_override"] = endpoint
+            kw["scheme"] = "http" if endpoint.startswith("http://") else "https"
+        return pafs.S3FileSystem(**kw), rest.rstrip("/")
+    fs, path = pafs.FileSystem.from_uri(root)
+    return fs, path.rstrip("/")
