@@ -1,13 +1,15 @@
 import time
 
 import dagster as dg
+import polars as pl
 
 from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
-from assets.progress import ProgressLogger
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.ingest.incremental import recorded_form
-from qumem_pipeline.ingest.archive import load_archive, write_unattributed_quarantine, write_users
+from qumem_pipeline.ingest.archive import EMPTY_FINGERPRINT
+from qumem_pipeline.ingest.sync import sync_archive
+from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.ingest.validate import TURN_POLARS_SCHEMA
 from qumem_pipeline.contracts.versions import TURN_SCHEMA_VERSION
 from resources import PipelineConfig
@@ -26,21 +28,35 @@ from resources import PipelineConfig
     ],
 )
 def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
+    """Bring the tables up to date with the archive (only new or changed files are read, once,
+    for every user they hold: qumem_pipeline/ingest/sync.py), then publish this run's users:
+    their turns and fingerprints as the tables now hold them."""
     users = run_user_ids(context)
     t0 = time.perf_counter()
-    result = load_archive(pipeline.archive(), forgotten=pipeline.forgotten())
     layout = pipeline.layout()
     layout.clean_temp_files()
-    stats = write_users(layout, result, users, progress=ProgressLogger(context.log, "turns written"))
-    unattributed = write_unattributed_quarantine(layout, result)
-    counts = result.counts()
+    report = sync_archive(pipeline.archive(), layout, forgotten=pipeline.forgotten())
+    context.log.info(
+        f"archive sync: {len(report.new)} new, {len(report.changed)} changed, {len(report.gone)} gone, "
+        f"{report.unchanged} unchanged files; {report.files_read} read, {report.users_rebuilt} users rebuilt"
+    )
+    run = layout.read_table("turns", users)
+    run = run if run is not None else pl.DataFrame(schema=TURN_POLARS_SCHEMA)
+    fps = layout.read_table("fingerprints", users)
+    stats = {u: {"turns": 0, "quarantined": 0, "fingerprint": EMPTY_FINGERPRINT} for u in users}
+    for row in (fps.iter_rows(named=True) if fps is not None else []):
+        stats[row["user_id"]] = {"turns": row["n_turns"], "quarantined": row["n_quarantined"], "fingerprint": row["fingerprint"]}
+    unattributed_q = layout.read_user_table("quarantine", UNATTRIBUTED)
+    unattributed = unattributed_q.height if unattributed_q is not None else 0
+    all_q = layout.read_table("quarantine")
+    by_field = dict(sorted(all_q.group_by("field").len().rows())) if all_q is not None and all_q.height else {}
     run_turns = sum(s["turns"] for s in stats.values())
     run_q = sum(s["quarantined"] for s in stats.values())
     context.log.info(
         f"{len(users)} users: {run_turns} turns, {run_q} quarantined for these users, "
-        f"{unattributed} unattributed bad rows; archive-wide quarantine by field: {counts['quarantined_by_field']}"
+        f"{unattributed} unattributed bad rows; archive-wide quarantine by field: {by_field}"
     )
-    schema_ok = checks.schema_conforms(result.turns, dict(TURN_POLARS_SCHEMA), "turns")
+    schema_ok = checks.schema_conforms(run, dict(TURN_POLARS_SCHEMA), "turns")
     ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
     return dg.MaterializeResult(
         check_results=[
@@ -52,7 +68,10 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
             "dagster/row_count": run_turns,
             "quarantined": run_q,
             "quarantined_unattributed": unattributed,
-            "archive_quarantined_by_field": dg.MetadataValue.json(counts["quarantined_by_field"]),
+            "archive_quarantined_by_field": dg.MetadataValue.json(by_field),
+            "archive_files_read": report.files_read,
+            "archive_files_new_changed_gone": dg.MetadataValue.json(
+                {"new": len(report.new), "changed": len(report.changed), "gone": len(report.gone)}),
             # every user of the run: the nightly schedule compares these with the archive (assets/schedules.py)
             "fingerprints": dg.MetadataValue.json({u: recorded_form(s["fingerprint"]) for u, s in stats.items()}),
             "seconds": round(time.perf_counter() - t0, 3),

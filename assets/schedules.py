@@ -74,7 +74,7 @@ def build_nightly_schedule(
         description=f"Rebuild only new or changed users (runs of <= {users_per_run} users).",
     )
     def _nightly(context: dg.ScheduleEvaluationContext, pipeline: PipelineConfig):
-        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
+        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
         registered = list(context.instance.get_dynamic_partitions(users_partitions.name))
         turns_ids = latest_ids(context.instance, TURNS_KEY, registered)
         incomplete = set() if final_key == TURNS_KEY else unfinished(

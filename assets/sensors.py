@@ -17,7 +17,7 @@ MAIN_JOB_NAME = "main_job"
 )
 def user_discovery_sensor(context: dg.SensorEvaluationContext, pipeline: PipelineConfig) -> dg.SensorResult:
     known: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
-    found = discover(pipeline.archive(), known, forgotten=pipeline.forgotten())
+    found = discover(pipeline.archive(), known, forgotten=pipeline.forgotten(), layout=pipeline.layout())
     registered = set(context.instance.get_dynamic_partitions(users_partitions.name))
     to_add = [u for u in found.new if u not in registered]
     run_requests = [

@@ -93,7 +93,7 @@ def register_users(instance, defs) -> list[str]:
     from qumem_pipeline.ingest.discovery import discover
 
     pipeline = defs.resources["pipeline"]
-    found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
+    found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
     existing = set(instance.get_dynamic_partitions(users_partitions.name))
     new = [u for u in sorted(found.fingerprints) if u not in existing]
     if new:

@@ -1,0 +1,128 @@
+"""Read one archive file as a sequence of bounded batches, each an ImportResult.
+
+* Canonical JSONL: blocks of about `chunk_bytes` cut at line ends, each parsed by the importer's
+  own fast path (polars) with its line-by-line fallback (`import_jsonl_bytes`), numbered by the
+  file's real line numbers. Lines are independent, so the batches hold exactly the rows and
+  failures the whole-file read gives. A line longer than a block is read whole (memory is
+  bounded by max(block, longest line)).
+* Canonical Parquet: pyarrow record batches of `batch_rows` rows.
+* LoCoMo / ChatGPT JSON: one document per file (conversations nest; the file is one JSON value),
+  read whole by their importers, one batch per file.
+
+Every archive read in the ingest goes through `read_batches` (and `hash_file`), so a test can
+count them: `READS` counts the files opened for reading.
+"""
+
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+
+from qumem_pipeline.ingest.importers.base import ImportResult, empty_raw_frame
+from qumem_pipeline.ingest.importers.canonical import (
+    JSONL_SUFFIXES,
+    PARQUET_SUFFIXES,
+    import_jsonl_bytes,
+    parquet_frame,
+    unreadable_parquet,
+)
+
+# 64 MiB of JSONL per batch: big enough that polars' parser runs at full speed, small enough that
+# a batch and its validation copies stay a few hundred MB.
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_BATCH_ROWS = 256_000
+READS: Counter = Counter()  # path -> times opened for reading (tests assert on it)
+
+
+def file_format(path: Path, archive_format: str) -> str:
+    """The format of one file of the archive: a directory or glob is canonical, by suffix."""
+    name = path.name.lower()
+    if archive_format in ("locomo", "chatgpt"):
+        return archive_format
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    raise ValueError(f"{path}: unsupported file type (expected .jsonl/.ndjson or .parquet)")
+
+
+def read_batches(path: Path, fmt: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 batch_rows: int = DEFAULT_BATCH_ROWS, hasher=None) -> Iterator[ImportResult]:
+    """The file's batches in file order. `hasher` (a hashlib object) is fed the file's bytes:
+    on the same read for JSONL, by a second read for the other formats."""
+    READS[str(path)] += 1
+    if fmt == "jsonl":
+        yield from _jsonl_batches(path, chunk_bytes, hasher)
+        return
+    if hasher is not None:
+        _feed(path, hasher)
+    if fmt == "parquet":
+        yield from _parquet_batches(path, batch_rows)
+    elif fmt in ("locomo", "chatgpt"):
+        from qumem_pipeline.ingest.importers import IMPORTERS
+
+        yield IMPORTERS[fmt](str(path))
+    else:
+        raise ValueError(f"unknown file format {fmt!r}")
+
+
+def _jsonl_batches(path: Path, chunk_bytes: int, hasher=None) -> Iterator[ImportResult]:
+    src = str(path)
+    line = 1
+    carry = b""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk_bytes)
+            if hasher is not None:
+                hasher.update(block)
+            data = carry + block if carry else block
+            if not block:  # end of file: the last line may lack its "\n"
+                if data:
+                    yield import_jsonl_bytes(src, data, line)
+                return
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                carry = data  # one line longer than a block: keep reading it
+                continue
+            whole, carry = data[: cut + 1], data[cut + 1 :]
+            yield import_jsonl_bytes(src, whole, line)
+            line += whole.count(b"\n")
+
+
+def _parquet_batches(path: Path, batch_rows: int) -> Iterator[ImportResult]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = str(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        yield ImportResult(raw=empty_raw_frame(), failures=[unreadable_parquet(src, e)])
+        return
+    first = 1
+    with pf:
+        for batch in pf.iter_batches(batch_size=batch_rows):
+            df = pl.from_arrow(batch)
+            yield parquet_frame(df, src, first)
+            first += batch.num_rows
+
+
+def hash_file(path: Path, block: int = 8 << 20) -> str:
+    """sha256 of the file's bytes, read in blocks (only for files whose size or mtime moved)."""
+    READS[str(path)] += 1
+    return _feed(path, hashlib.sha256(), block).hexdigest()
+
+
+def _feed(path: Path, hasher, block: int = 8 << 20):
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            hasher.update(chunk)
+    return hasher
+
+
+def stat_key(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
