@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from qumem_pipeline.ingest.importers import import_archive
 from qumem_pipeline.ingest.importers.chatgpt import import_chatgpt
 from qumem_pipeline.ingest.importers.locomo import import_locomo
+from qumem_pipeline.ingest.sync import validate_streamed
 from qumem_pipeline.ingest.validate import StrictValidationError, validate
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -206,6 +207,19 @@ def check_outcome(res, recs: list[Rec], line_of, source_file: str | None = None)
         assert order == expected, uid
 
 
+Q_ORDER = ["source_file", "source_row", "field", "reason", "raw"]
+
+
+def assert_streaming_matches(path, res, fmt=None, drop=(), **kw):
+    """The bounded-memory reader in tiny blocks / batches gives the whole-file path's rows."""
+    streamed = validate_streamed(str(path), fmt, chunk_bytes=kw.pop("chunk_bytes", 53), batch_rows=3,
+                                 max_text_chars=kw.pop("max_text_chars", MAX_TEXT), now=NOW)
+    assert streamed.turns.select(res.turns.columns).equals(res.turns)
+    order = [c for c in Q_ORDER if c not in drop]
+    assert streamed.quarantine.drop(*drop).sort(order, nulls_last=True).equals(
+        res.quarantine.drop(*drop).sort(order, nulls_last=True))
+
+
 # ---------------------------------------------------------------- canonical JSONL / Parquet
 
 
@@ -215,6 +229,7 @@ def test_fuzzed_jsonl(tmp_path_factory, recs, blank_lines):
     path = write_records(tmp_path_factory.mktemp("jsonl") / "archive.jsonl", recs, blank_lines)
     res = validate(import_archive(path), max_text_chars=MAX_TEXT, now=NOW)
     check_outcome(res, recs, (lambda i: 2 * i + 1) if blank_lines else (lambda i: i + 1), str(path))
+    assert_streaming_matches(path, res)
 
 
 @FUZZ
@@ -226,6 +241,7 @@ def test_fuzzed_parquet(tmp_path_factory, recs):
     pl.DataFrame([r.row for r in recs], schema=schema, orient="row").write_parquet(path)
     res = validate(import_archive(path), max_text_chars=MAX_TEXT, now=NOW)
     check_outcome(res, recs, lambda i: i + 1, str(path))
+    assert_streaming_matches(path, res)
 
 
 @FUZZ
@@ -252,6 +268,7 @@ def test_ten_megabyte_turn_is_quarantined_and_neighbours_arrive(tmp_path):
     path.write_bytes(b"\n".join(json.dumps(r, ensure_ascii=False).encode() for r in (ok, big, dict(ok, text="bye"))) + b"\n")
     res = validate(import_archive(path))
     assert res.turns["text"].to_list() == ["hello", "bye"]
+    assert_streaming_matches(path, res, chunk_bytes=1 << 20, max_text_chars=100_000)  # the line is 20x a block
     [q] = res.quarantine.rows(named=True)
     assert (q["source_row"], q["field"]) == (2, "text") and "10000000 chars" in q["reason"]
     assert len(q["raw"]) <= 4096, "quarantine keeps a bounded excerpt, not the 10 MB"
@@ -453,6 +470,7 @@ def test_random_bytes_into_every_importer(tmp_path_factory, blob, fmt):
     path = tmp_path_factory.mktemp("rand") / f"blob{suffix}"
     path.write_bytes(blob)
     res = validate(import_archive(path, fmt), now=NOW)
+    assert_streaming_matches(path, res, fmt, max_text_chars=100_000)
     q = res.quarantine
     assert q["reason"].is_not_null().all() and (q["source_file"] == str(path)).all()
     if fmt == "jsonl":

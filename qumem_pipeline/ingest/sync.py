@@ -228,7 +228,7 @@ class _Sync:
                  _duplicates_to_candidates(self._kept(self.layout.read_table(DUPLICATES_TABLE, users)))]
         if staged_dir.exists():
             parts.append(pl.read_parquet(sorted(staged_dir.glob("*.parquet"))).filter(pl.col("user_id").is_in(users)))
-        candidates = pl.concat([p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
+        candidates = pl.concat([_empty_candidates()] + [p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
             _pos=(pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE)
             + pl.col(KEEP_PREFIX + "source_pos")
         ).sort("_pos")
@@ -281,6 +281,13 @@ class _Sync:
 
 
 # --- stored rows <-> candidate rows ---------------------------------------------------------
+def _empty_candidates() -> pl.DataFrame:
+    from qumem_pipeline.ingest.importers.base import ImportResult
+
+    good, _ = check_rows(ImportResult.empty())
+    return good.with_columns(**{KEEP_PREFIX + k: pl.lit(None, dtype=v) for k, v in PROVENANCE.items()})
+
+
 def _turns_to_candidates(t: pl.DataFrame | None) -> pl.DataFrame | None:
     """A stored turn back into the form check_rows gives (its source turn_index and position)."""
     if t is None:
@@ -382,3 +389,32 @@ def stored_fingerprints(layout, forgotten=None) -> dict[str, str]:
     if forgotten is not None and len(forgotten):
         out = {u: f for u, f in out.items() if not forgotten.contains(u)}
     return out
+
+
+def validate_streamed(path: str, archive_format: str | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      batch_rows: int = DEFAULT_BATCH_ROWS, max_text_chars: int | None = None,
+                      now: datetime | None = None, strict: bool = False):
+    """The archive through the streaming reader and the split rules, held in memory: the same
+    ValidationResult `validate(import_archive(path))` gives (plus the provenance columns).
+    For tests and benches; `sync_archive` is the bounded-memory path."""
+    from qumem_pipeline.ingest.validate import DEFAULT_MAX_TEXT_CHARS, ValidationResult
+
+    limit = DEFAULT_MAX_TEXT_CHARS if max_text_chars is None else max_text_chars
+    goods, quarantine = [], []
+    for rank, f in enumerate(list_archive(path, archive_format)):
+        pos = 0
+        for batch in read_batches(f.path, f.format, chunk_bytes=chunk_bytes, batch_rows=batch_rows):
+            good, q = check_rows(batch, max_text_chars=limit, now=now, pos_offset=pos)
+            pos += batch.raw.height
+            if strict:
+                raise_if_bad(q.drop("_parse"))
+            quarantine.append(q.drop("_parse"))
+            goods.append(good.with_columns(
+                **{KEEP_PREFIX + "source_file_id": pl.lit(f.file_id), KEEP_PREFIX + "source_row": pl.col("source_row"),
+                   KEEP_PREFIX + "source_pos": pl.col("_pos"), KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
+                _pos=pl.col("_pos") + rank * _FILE_RANK_STRIDE,
+            ))
+    turns, _, dup_q = merge_candidates(pl.concat([_empty_candidates()] + goods, how="vertical_relaxed"))
+    if strict:
+        raise_if_bad(dup_q)
+    return ValidationResult(turns=turns, quarantine=pl.concat(quarantine + [dup_q], how="vertical"))
