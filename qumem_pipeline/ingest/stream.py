@@ -88,8 +88,9 @@ def _jsonl_batches(path: Path, chunk_bytes: int, hasher=None) -> Iterator[Import
                 carry = data  # one line longer than a block: keep reading it
                 continue
             whole, carry = data[: cut + 1], data[cut + 1 :]
-            yield import_jsonl_bytes(src, whole, line)
-            line += whole.count(b"\n")
+            n = whole.count(b"\n")
+            yield import_jsonl_bytes(src, whole, line, n_lines=n)
+            line += n
 
 
 def _parquet_batches(path: Path, batch_rows: int) -> Iterator[ImportResult]:

@@ -143,6 +143,7 @@ class _Sync:
         self.dropped = {f.file_id for f in plan.to_read} | set(plan.gone)
         self.path_ids = {r["path"]: fid for fid, r in plan.old.items()} | {str(f.path): f.file_id for f in plan.files}
         self.file_stats: dict[str, dict] = {}
+        self.in_memory: list[pl.DataFrame] = []  # staged rows when everything read fits one bucket
 
     def run(self, chunk_bytes: int, batch_rows: int, bucket_bytes: int) -> None:
         read_bytes = sum(f.size for f in self.plan.to_read)
@@ -188,6 +189,9 @@ class _Sync:
                     _bucket=self._bucket(pl.col("user_id")),
                 )
                 rows += good.height
+                if self.n_buckets == 1:  # all of it is one bucket's worth: no spill
+                    self.in_memory.append(good.drop("_bucket"))
+                    continue
                 for (b,), chunk in good.partition_by("_bucket", as_dict=True).items():
                     d = scratch / f"bucket={b}"
                     d.mkdir(exist_ok=True)
@@ -212,6 +216,7 @@ class _Sync:
         """bucket -> users to rebuild: users of the files read, plus the old users of changed,
         pending and gone files (from the per-user file lists)."""
         frames = [pl.scan_parquet(d / "*.parquet").select("user_id").unique().collect() for d in scratch.glob("bucket=*")]
+        frames += [df.select(pl.col("user_id").unique()) for df in self.in_memory]
         frames.append(new_q.filter(valid_user_id_expr()).select("user_id"))
         if self.plan.changed or self.plan.gone:
             held = self.layout.read_table(FILE_USERS_TABLE)
@@ -227,11 +232,13 @@ class _Sync:
         parts = [_turns_to_candidates(self._kept(self.layout.read_table("turns", users))),
                  _duplicates_to_candidates(self._kept(self.layout.read_table(DUPLICATES_TABLE, users)))]
         if staged_dir.exists():
-            parts.append(pl.read_parquet(sorted(staged_dir.glob("*.parquet"))).filter(pl.col("user_id").is_in(users)))
+            parts.append(pl.read_parquet(sorted(staged_dir.glob("*.parquet"))))
+        parts += self.in_memory
+        self.in_memory = []
         candidates = pl.concat([_empty_candidates()] + [p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
             _pos=(pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE)
             + pl.col(KEEP_PREFIX + "source_pos")
-        ).sort("_pos")
+        )
         turns, dups, dup_q = merge_candidates(candidates)
         if self.cfg.strict:
             raise_if_bad(dup_q)
