@@ -117,7 +117,7 @@ def phase(name: str, work: Path) -> dict:
 
         r = sync_archive(ArchiveConfig(str(archive)), DataLayout(data))
         out.update(files_read=r.files_read, users_rebuilt=r.users_rebuilt, rows_read=r.rows_read,
-                   quarantined=r.quarantined_read, new=len(r.new), unchanged=r.unchanged)
+                   quarantined=r.quarantined_read, new=len(r.new), unchanged=r.unchanged, stages_s=r.stages_s)
     elif name == "read":
         layout = DataLayout(data)
         users = sorted(layout.users_in("turns"))[:READ_USERS]
@@ -188,6 +188,7 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
             "ratio": round(base["seconds"] / ingest["seconds"], 3),
             "turns_per_s": round(base["rows"] / ingest["seconds"]),
             "peak_rss_mb": ingest["peak_rss_mb"], "baseline_peak_rss_mb": base["peak_rss_mb"],
+            "ingest_stages_s": ingest["stages_s"],
             "incremental_s": inc["seconds"], "incremental_users_rebuilt": inc["users_rebuilt"],
             "incremental_ratio": round(inc["seconds"] / ingest["seconds"], 4),
             "read_100_users_s": read["best_s"], "read_100_users_rows": read["rows"],

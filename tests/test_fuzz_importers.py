@@ -212,12 +212,14 @@ Q_ORDER = ["source_file", "source_row", "field", "reason", "raw"]
 
 def assert_streaming_matches(path, res, fmt=None, drop=(), **kw):
     """The bounded-memory reader in tiny blocks / batches gives the whole-file path's rows."""
-    streamed = validate_streamed(str(path), fmt, chunk_bytes=kw.pop("chunk_bytes", 53), batch_rows=3,
-                                 max_text_chars=kw.pop("max_text_chars", MAX_TEXT), now=NOW)
-    assert streamed.turns.select(res.turns.columns).equals(res.turns)
-    order = [c for c in Q_ORDER if c not in drop]
-    assert streamed.quarantine.drop(*drop).sort(order, nulls_last=True).equals(
-        res.quarantine.drop(*drop).sort(order, nulls_last=True))
+    chunk, limit = kw.pop("chunk_bytes", 53), kw.pop("max_text_chars", MAX_TEXT)
+    for reader in ("auto", "blocks"):  # polars' streaming scan (with its fallback), and the blocks
+        streamed = validate_streamed(str(path), fmt, chunk_bytes=chunk, batch_rows=3, max_text_chars=limit, now=NOW,
+                                     reader=reader)
+        assert streamed.turns.select(res.turns.columns).equals(res.turns), reader
+        order = [c for c in Q_ORDER if c not in drop]
+        assert streamed.quarantine.drop(*drop).sort(order, nulls_last=True).equals(
+            res.quarantine.drop(*drop).sort(order, nulls_last=True)), reader
 
 
 # ---------------------------------------------------------------- canonical JSONL / Parquet

@@ -41,7 +41,7 @@ def test_example_archive_streamed_in_tiny_blocks_equals_whole_file_path(chunk_by
 
     stream._jsonl_batches, saved = spy, stream._jsonl_batches
     try:
-        new = validate_streamed(str(ARCHIVE), chunk_bytes=chunk_bytes, now=NOW)
+        new = validate_streamed(str(ARCHIVE), chunk_bytes=chunk_bytes, now=NOW, reader="blocks")
     finally:
         stream._jsonl_batches = saved
     assert_same_as_whole_file(old, new)
@@ -56,7 +56,7 @@ def test_sync_into_tables_equals_load_archive_and_bounded_buckets(tmp_path):
     cfg = ArchiveConfig(str(ARCHIVE))
     old = load_archive(cfg)
     layout = DataLayout(tmp_path / "data")
-    report = sync_archive(cfg, layout, chunk_bytes=200, bucket_bytes=1000)
+    report = sync_archive(cfg, layout, chunk_bytes=200, bucket_bytes=1000, reader="blocks")
     assert report.files_read == 3 and report.users_rebuilt == 4
     turns = layout.read_table("turns")
     assert turns.height == 196
@@ -75,8 +75,9 @@ def test_a_line_longer_than_a_block_is_read_whole(tmp_path):
     rows = [ok, dict(ok, text="é" * 200_000, source_ref="big"), dict(ok, text="bye", source_ref="b")]
     path.write_bytes(b"\n".join(json.dumps(r, ensure_ascii=False).encode() for r in rows))  # no final newline
     old = validate(import_archive(path), now=NOW)
-    new = validate_streamed(str(path), chunk_bytes=1 << 10, now=NOW)
-    assert_same_as_whole_file(old, new)
+    for reader in ("auto", "blocks"):
+        new = validate_streamed(str(path), chunk_bytes=1 << 10, now=NOW, reader=reader)
+        assert_same_as_whole_file(old, new)
     assert new.quarantine.height == 1 and new.quarantine["source_row"][0] == 2
 
 
@@ -112,3 +113,21 @@ def test_locomo_and_chatgpt_files_are_read_whole_per_file():
     old = validate(import_archive(path, "locomo"), now=NOW)
     new = validate_streamed(str(path), "locomo", now=NOW)
     assert_same_as_whole_file(old, new)
+
+
+def test_fast_scan_gives_up_part_way_and_blocks_take_over(tmp_path):
+    """Clean lines, then a blank line and a broken one: the scan's rows are not the file's lines,
+    so its batches are dropped (RESTART) and the block reader's rows replace them, once each."""
+    good = [{"user_id": f"u{i % 7}", "conversation_id": "c", "role": "user", "text": f"line {i}", "source_ref": f"r{i}"}
+            for i in range(5000)]
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b"\n".join([json.dumps(r).encode() for r in good] + [b"", json.dumps(good[0] | {"source_ref": "x"}).encode()]) + b"\n")
+    kinds = [b if b is stream.RESTART else "batch" for b in stream.read_batches(path, "jsonl")]
+    assert stream.RESTART in kinds and kinds.index(stream.RESTART) > 0
+    old = validate(import_archive(path), now=NOW)
+    new = validate_streamed(str(path), now=NOW)
+    assert_same_as_whole_file(old, new)
+    assert new.turns.height == 5001 and new.turns["source_file"].n_unique() == 1
+    layout = DataLayout(tmp_path / "data")
+    sync_archive(ArchiveConfig(str(path)), layout, now=NOW, bucket_bytes=50_000)  # spilled, dropped, redone
+    assert layout.read_table("turns").height == 5001

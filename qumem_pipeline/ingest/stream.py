@@ -35,6 +35,10 @@ from qumem_pipeline.ingest.importers.canonical import (
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BATCH_ROWS = 256_000
 READS: Counter = Counter()  # path -> times opened for reading (tests assert on it)
+# Yielded by read_batches when the fast reader gave up part-way: drop this file's batches so far,
+# the ones that follow (from the block reader) replace them.
+RESTART = object()
+READERS = ("auto", "blocks")
 
 
 def file_format(path: Path, archive_format: str) -> str:
@@ -50,12 +54,19 @@ def file_format(path: Path, archive_format: str) -> str:
 
 
 def read_batches(path: Path, fmt: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 batch_rows: int = DEFAULT_BATCH_ROWS, hasher=None) -> Iterator[ImportResult]:
-    """The file's batches in file order. `hasher` (a hashlib object) is fed the file's bytes:
-    on the same read for JSONL, by a second read for the other formats."""
+                 batch_rows: int = DEFAULT_BATCH_ROWS, hasher=None, reader: str = "auto") -> Iterator[ImportResult]:
+    """The file's batches in file order. `hasher` (a hashlib object) is fed the file's bytes.
+
+    JSONL, reader "auto": polars' streaming scan first (measured ~3x faster than parsing blocks
+    here: bench/ingest.py `readers`), valid only when its rows are exactly the file's lines and
+    no value needs the line-by-line rules; otherwise it yields RESTART and the block reader
+    (reader "blocks", the importer's own fast path + fallback) reads the file instead."""
     READS[str(path)] += 1
     if fmt == "jsonl":
-        yield from _jsonl_batches(path, chunk_bytes, hasher)
+        if reader == "auto":
+            yield from _jsonl_scan_or_blocks(path, chunk_bytes, hasher)
+        else:
+            yield from _jsonl_batches(path, chunk_bytes, hasher)
         return
     if hasher is not None:
         _feed(path, hasher)
@@ -91,6 +102,48 @@ def _jsonl_batches(path: Path, chunk_bytes: int, hasher=None) -> Iterator[Import
             n = whole.count(b"\n")
             yield import_jsonl_bytes(src, whole, line, n_lines=n)
             line += n
+
+
+def _jsonl_scan_or_blocks(path: Path, chunk_bytes: int, hasher=None) -> Iterator[ImportResult]:
+    from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
+    from qumem_pipeline.ingest.importers.canonical import SOURCE_COLUMNS, _suspect_expr
+
+    n_lines = _hash_and_count_lines(path, hasher)
+    if n_lines == 0:
+        return
+    src = str(path)
+    seen = 0
+    try:
+        scan = pl.scan_ndjson(path, schema=SOURCE_COLUMNS, row_index_name="source_row", row_index_offset=1)
+        for df in scan.collect_batches():
+            df = df.with_columns(source_file=pl.lit(src, dtype=pl.String), source_row=pl.col("source_row").cast(pl.Int64))
+            df = df.select(list(RAW_COLUMNS))
+            if df.select(_suspect_expr()).to_series().any():
+                raise _GiveUp
+            seen += df.height
+            yield ImportResult(raw=df)
+        if seen != n_lines:  # blank lines: rows are not lines
+            raise _GiveUp
+    except Exception:  # noqa: BLE001 - a bad line, a non-string value, blank lines: the block reader decides
+        if seen:
+            yield RESTART
+        yield from _jsonl_batches(path, chunk_bytes, None)
+
+
+class _GiveUp(Exception):
+    pass
+
+
+def _hash_and_count_lines(path: Path, hasher, block: int = 16 << 20) -> int:
+    """Lines of the file (a last line without "\n" counts), hashing it on the same pass."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            if hasher is not None:
+                hasher.update(chunk)
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
 
 
 def _parquet_batches(path: Path, batch_rows: int) -> Iterator[ImportResult]:
