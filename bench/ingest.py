@@ -97,8 +97,10 @@ def add_new_file(archive: Path, n_turns: int, n_users: int) -> Path:
 
 
 def files_per_table(data: Path) -> dict[str, int]:
-    """Data files (*.parquet) under each table's directory of the data root."""
-    return {d.name: sum(1 for _ in d.rglob("*.parquet")) for d in sorted(data.iterdir()) if d.is_dir() and not d.name.startswith("_")}
+    """Data files (*.parquet) under each table's directory of the data root (either backend:
+    per-user Parquet files, or a Delta table's data files; its _delta_log is not counted)."""
+    return {d.name: sum(1 for p in d.rglob("*.parquet") if "_delta_log" not in p.parts)
+            for d in sorted(data.iterdir()) if d.is_dir() and not d.name.startswith("_")}
 
 
 # ---------------------------------------------------------------- child phases

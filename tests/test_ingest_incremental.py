@@ -241,3 +241,17 @@ def test_forgotten_user_never_ingested(archive, tmp_path):
     assert "alice" not in layout.read_table("turns")["user_id"].to_list()
     assert "alice" not in (layout.read_table(sync.FILE_USERS_TABLE)["user_id"].to_list())
     assert_tables_equal_one_shot(layout, archive, forgotten=reg)
+
+
+def test_data_root_written_before_the_manifest_is_reingested_cleanly(archive, tmp_path):
+    """A root written by the whole-archive path (no provenance columns, no manifest): the first
+    sync reads every file and replaces those rows."""
+    from qumem_pipeline.ingest.archive import write_unattributed_quarantine, write_users
+
+    layout = DataLayout(tmp_path / "data")
+    res = load_archive(ArchiveConfig(str(archive)))
+    write_users(layout, res, sorted(res.turns["user_id"].unique().to_list()))
+    write_unattributed_quarantine(layout, res)
+    r = sync_archive(ArchiveConfig(str(archive)), layout)
+    assert r.files_read == 3
+    assert_tables_equal_one_shot(layout, archive)

@@ -270,7 +270,7 @@ class _Sync:
         turns, dups, dup_q = merge_candidates(candidates)
         if self.cfg.strict:
             raise_if_bad(dup_q)
-        old_q = self.layout.read_table("quarantine", users)
+        old_q = self.layout.read_table("quarantine", users) if self.plan.old else None
         kept_q = None
         if old_q is not None:
             kept_q = old_q.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped))
@@ -304,14 +304,15 @@ class _Sync:
         self.report.users_rebuilt += len(users)
 
     def _kept(self, df: pl.DataFrame | None) -> pl.DataFrame | None:
-        """Stored rows that stay: those from files not read again and not gone."""
-        if df is None or df.height == 0:
+        """Stored rows that stay: those from files not read again and not gone. Rows written
+        before there was a manifest (no source_file_id) belong to files being read again."""
+        if df is None or df.height == 0 or not self.plan.old or "source_file_id" not in df.columns:
             return None
         return df.filter(~pl.col("source_file_id").is_in(sorted(self.dropped)))
 
     def _rebuild_unattributed(self, new_q: pl.DataFrame) -> None:
         """Bad rows with no usable user id live under their own key (as before)."""
-        old = self.layout.read_user_table("quarantine", UNATTRIBUTED)
+        old = self.layout.read_user_table("quarantine", UNATTRIBUTED) if self.plan.old else None
         if old is not None:
             old = old.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped)))
         q = pl.concat([x for x in (old, new_q) if x is not None], how="vertical_relaxed").cast(dict(QUARANTINE_POLARS_SCHEMA))
