@@ -255,3 +255,39 @@ def test_data_root_written_before_the_manifest_is_reingested_cleanly(archive, tm
     r = sync_archive(ArchiveConfig(str(archive)), layout)
     assert r.files_read == 3
     assert_tables_equal_one_shot(layout, archive)
+
+
+def _time_first_finalise(good: pl.DataFrame) -> pl.DataFrame:
+    """The as-of rule of issue 16 (explicit turn_index, then timestamp, then file order), written
+    out here so the incremental path is shown to follow whichever order validate defines."""
+    from qumem_pipeline.ingest import validate as v
+
+    ordered = good.sort(["user_id", "turn_index", "_ts", "source_file", "source_row", "_pos"], nulls_last=True)
+    return ordered.select(
+        user_id=pl.col("user_id"), conversation_id=pl.col("conversation_id"),
+        session_id=pl.coalesce(pl.col("session_id"), pl.col("conversation_id")),
+        turn_index=(pl.int_range(pl.len()).over("user_id")).cast(pl.Int64),
+        role=pl.col("role"), speaker=pl.col("speaker"), text=pl.col("text"), timestamp=pl.col("_ts"),
+        source_ref=pl.col("source_ref"), source_file=pl.col("source_file"), code_version=pl.lit(v.CODE_VERSION),
+        *[pl.col(c).alias(c[len(v.KEEP_PREFIX):]) for c in good.columns if c.startswith(v.KEEP_PREFIX)],
+    ).cast(dict(v.TURN_POLARS_SCHEMA))
+
+
+def test_time_first_order_across_files_incremental_equals_one_shot(tmp_path, monkeypatch):
+    from qumem_pipeline.ingest import validate as v
+
+    monkeypatch.setattr(v, "_finalise_turns", _time_first_finalise)
+    d = tmp_path / "archive"
+    a = _rows("alice", "c1", "01-01", ["x0", "x1", "x2"])
+    write_jsonl(d / "b.jsonl", a)  # the later path holds the earlier turns
+    cfg = ArchiveConfig(str(d))
+    layout = DataLayout(tmp_path / "data")
+    sync_archive(cfg, layout)
+    before = dict(layout.read_table("turns").select("text", "turn_index").iter_rows())
+    later = _rows("alice", "c1", "02-01", ["y0", "y1"], ref0=5)
+    write_jsonl(d / "a.jsonl", later)  # sorts first by path, but its turns are later in time
+    sync_archive(cfg, layout)
+    turns = layout.read_table("turns").sort("turn_index")
+    assert turns["text"].to_list() == ["x0", "x1", "x2", "y0", "y1"]  # time first: appended
+    assert all(dict(turns.select("text", "turn_index").iter_rows())[k] == i for k, i in before.items())
+    assert_tables_equal_one_shot(layout, d)
