@@ -291,3 +291,20 @@ def test_time_first_order_across_files_incremental_equals_one_shot(tmp_path, mon
     assert turns["text"].to_list() == ["x0", "x1", "x2", "y0", "y1"]  # time first: appended
     assert all(dict(turns.select("text", "turn_index").iter_rows())[k] == i for k, i in before.items())
     assert_tables_equal_one_shot(layout, d)
+
+
+def test_small_new_file_touching_long_histories_merges_in_groups(archive, tmp_path, monkeypatch):
+    """One bucket of new rows, but the users' stored histories are cut into groups under the
+    merge budget; the result is the one-shot result."""
+    cfg = ArchiveConfig(str(archive))
+    layout = DataLayout(tmp_path / "data")
+    sync_archive(cfg, layout)
+    users = sorted(layout.users_in("turns"))
+    write_jsonl(archive / "2024-q4.jsonl", [r for u in users for r in _rows(u, f"{u}-late", "11-01", ["late 1", "late 2"])])
+    seen = []
+    real = sync._Sync._rebuild
+    monkeypatch.setattr(sync._Sync, "_rebuild", lambda self, us, st, q: (seen.append(list(us)), real(self, us, st, q)))
+    r = sync_archive(cfg, layout, bucket_bytes=sync._STORED_ROW_BYTES * 60)  # ~60 stored rows per group
+    assert r.files_read == 1 and r.users_rebuilt == len(users)
+    assert len(seen) > 1 and sorted(u for g in seen for u in g) == users
+    assert_tables_equal_one_shot(layout, archive)

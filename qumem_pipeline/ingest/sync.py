@@ -71,6 +71,9 @@ from qumem_pipeline.ingest.validate import (
 )
 
 DUPLICATES_TABLE = "turn_duplicates"
+# A stored turn in memory, about (bench/ingest.py's generated turns): sizes the merge groups, so a
+# small new file that touches users with long histories still merges in bounded pieces.
+_STORED_ROW_BYTES = 400
 # Scratch bytes of candidate rows per user bucket: the unit of memory of the merge step.
 BUCKET_BYTES = 128 << 20
 _FILE_RANK_STRIDE = 1 << 40  # _pos = file rank * 2^40 + position in file (files of < 10^12 rows)
@@ -167,10 +170,15 @@ class _Sync:
             self.report._add("read_check_spill", t)
             users_by_bucket = self._affected_users(scratch, new_q)
             attributed = new_q.filter(valid_user_id_expr())
+            history = self._stored_rows([u for us in users_by_bucket.values() for u in us])
+            max_rows = max(1, bucket_bytes // _STORED_ROW_BYTES)
             for b in range(self.n_buckets):
-                users = users_by_bucket.get(b, [])
-                if users:
-                    self._rebuild(users, scratch / f"bucket={b}", attributed.filter(pl.col("user_id").is_in(users)))
+                groups = _groups(users_by_bucket.get(b, []), history, max_rows)
+                staged = self._staged(scratch / f"bucket={b}")
+                for users in groups:
+                    mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
+                    self._rebuild(users, mine, attributed.filter(pl.col("user_id").is_in(users)))
+                del staged
             self._rebuild_unattributed(new_q.filter(~valid_user_id_expr()))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -255,14 +263,26 @@ class _Sync:
         return {b: sorted(g["user_id"].to_list()) for (b,), g in users.partition_by("_b", as_dict=True).items()}
 
     # --- 3. rebuild the affected users of one bucket ------------------------------------------
-    def _rebuild(self, users: list[str], staged_dir: Path, new_q: pl.DataFrame) -> None:
+    def _staged(self, staged_dir: Path) -> pl.DataFrame:
+        """One bucket's staged candidates (spilled, or held when all of it was one bucket)."""
+        parts = [_empty_candidates()] + self.in_memory
+        self.in_memory = []
+        if staged_dir.exists():
+            parts += [pl.read_ipc(p) for p in sorted(staged_dir.glob("*.arrow"))]
+        return pl.concat(parts, how="diagonal_relaxed")
+
+    def _stored_rows(self, users: list[str]) -> dict[str, int]:
+        """Rows each affected user already has in the tables (their fingerprint's n_turns)."""
+        if not users or not self.plan.old:
+            return {}
+        fp = self.layout.read_table("fingerprints", users)
+        return {} if fp is None else dict(fp.select("user_id", "n_turns").iter_rows())
+
+    def _rebuild(self, users: list[str], staged: pl.DataFrame, new_q: pl.DataFrame) -> None:
         t = time.perf_counter()
         parts = [_turns_to_candidates(self._kept(self.layout.read_table("turns", users))),
-                 _duplicates_to_candidates(self._kept(self.layout.read_table(DUPLICATES_TABLE, users)))]
-        if staged_dir.exists():
-            parts.append(pl.concat([pl.read_ipc(p) for p in sorted(staged_dir.glob("*.arrow"))], how="vertical"))
-        parts += self.in_memory
-        self.in_memory = []
+                 _duplicates_to_candidates(self._kept(self.layout.read_table(DUPLICATES_TABLE, users))),
+                 staged]
         candidates = pl.concat([_empty_candidates()] + [p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
             _pos=(pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE)
             + pl.col(KEEP_PREFIX + "source_pos")
@@ -317,6 +337,20 @@ class _Sync:
             old = old.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped)))
         q = pl.concat([x for x in (old, new_q) if x is not None], how="vertical_relaxed").cast(dict(QUARANTINE_POLARS_SCHEMA))
         self.layout.write_user_table("quarantine", UNATTRIBUTED, q.select(list(QUARANTINE_POLARS_SCHEMA)))
+
+
+def _groups(users: list[str], stored: dict[str, int], max_rows: int) -> list[list[str]]:
+    """Consecutive users cut so each group's stored history stays under `max_rows` rows (a user
+    over it is a group of its own)."""
+    groups, cur, n = [], [], 0
+    for u in users:
+        k = stored.get(u, 0)
+        if cur and n + k > max_rows:
+            groups.append(cur)
+            cur, n = [], 0
+        cur.append(u)
+        n += k
+    return groups + [cur] if cur else groups
 
 
 # --- stored rows <-> candidate rows ---------------------------------------------------------
