@@ -64,7 +64,7 @@ def read_batches(path: Path, fmt: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     READS[str(path)] += 1
     if fmt == "jsonl":
         if reader == "auto":
-            yield from _jsonl_scan_or_blocks(path, chunk_bytes, hasher)
+            yield from _jsonl_scan_or_blocks(path, chunk_bytes, hasher, batch_rows)
         else:
             yield from _jsonl_batches(path, chunk_bytes, hasher)
         return
@@ -104,7 +104,7 @@ def _jsonl_batches(path: Path, chunk_bytes: int, hasher=None) -> Iterator[Import
             line += n
 
 
-def _jsonl_scan_or_blocks(path: Path, chunk_bytes: int, hasher=None) -> Iterator[ImportResult]:
+def _jsonl_scan_or_blocks(path: Path, chunk_bytes: int, hasher=None, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[ImportResult]:
     from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
     from qumem_pipeline.ingest.importers.canonical import SOURCE_COLUMNS, _suspect_expr
 
@@ -115,13 +115,30 @@ def _jsonl_scan_or_blocks(path: Path, chunk_bytes: int, hasher=None) -> Iterator
     seen = 0
     try:
         scan = pl.scan_ndjson(path, schema=SOURCE_COLUMNS, row_index_name="source_row", row_index_offset=1)
-        for df in scan.collect_batches():
+
+        def ready(frames: list[pl.DataFrame]) -> ImportResult:
+            # The scan hands out morsels of ~2k rows: one batch of them, in one chunk, so the
+            # steps after (spill files, sorts, gathers) work on few large pieces.
+            df = pl.concat(frames, how="vertical", rechunk=True)
             df = df.with_columns(source_file=pl.lit(src, dtype=pl.String), source_row=pl.col("source_row").cast(pl.Int64))
             df = df.select(list(RAW_COLUMNS))
             if df.select(_suspect_expr()).to_series().any():
                 raise _GiveUp
-            seen += df.height
-            yield ImportResult(raw=df)
+            return ImportResult(raw=df)
+
+        pending, n_pending = [], 0
+        for df in scan.collect_batches():
+            pending.append(df)
+            n_pending += df.height
+            if n_pending >= batch_rows:
+                batch = ready(pending)
+                pending, n_pending = [], 0
+                seen += batch.raw.height
+                yield batch
+        if pending:
+            batch = ready(pending)
+            seen += batch.raw.height
+            yield batch
         if seen != n_lines:  # blank lines: rows are not lines
             raise _GiveUp
     except Exception:  # noqa: BLE001 - a bad line, a non-string value, blank lines: the block reader decides
