@@ -308,3 +308,19 @@ def test_small_new_file_touching_long_histories_merges_in_groups(archive, tmp_pa
     assert r.files_read == 1 and r.users_rebuilt == len(users)
     assert len(seen) > 1 and sorted(u for g in seen for u in g) == users
     assert_tables_equal_one_shot(layout, archive)
+
+
+def test_failing_blocking_check_commits_nothing_and_the_next_sync_redoes(archive, tmp_path):
+    cfg = ArchiveConfig(str(archive))
+    layout = DataLayout(tmp_path / "data")
+
+    def too_many_bad_rows(turns, quarantine):
+        if quarantine.height > 0.01 * (turns.height + quarantine.height):
+            raise ValueError(f"quarantine ceiling: {quarantine.height} bad rows")
+
+    with pytest.raises(ValueError, match="quarantine ceiling"):
+        sync_archive(cfg, layout, before_commit=too_many_bad_rows)
+    assert layout.read_table("turns") is None and layout.read_table("fingerprints") is None
+    r = sync_archive(cfg, layout)
+    assert r.files_read == 3  # still pending: read again
+    assert_tables_equal_one_shot(layout, archive)

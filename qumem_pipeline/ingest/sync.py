@@ -119,8 +119,13 @@ def sync_archive(
     bucket_bytes: int = BUCKET_BYTES,
     now: datetime | None = None,
     reader: str = "auto",
+    before_commit=None,
 ) -> SyncReport:
-    """Ingest the archive's new and changed files, drop its gone files' rows (see the module doc)."""
+    """Ingest the archive's new and changed files, drop its gone files' rows (see the module doc).
+
+    `before_commit(turns, quarantine)` sees each group's rows before they are written and may
+    raise to stop the sync (blocking checks): nothing of that group is written, groups written
+    before it stay, and the files stay pending, so the next sync redoes them."""
     t0 = time.perf_counter()
     with _exclusive(layout):
         version = ingest_version(cfg)
@@ -129,7 +134,7 @@ def sync_archive(
                             gone=list(plan.gone), unchanged=len(plan.unchanged))
         if plan.touched:
             job = _Sync(cfg, layout, forgotten, plan, version, report, now)
-            job.reader = reader
+            job.reader, job.before_commit = reader, before_commit
             job.run(chunk_bytes, batch_rows, bucket_bytes)
         elif plan.hashes:  # touched, same bytes: remember the new mtime so the hash is not redone
             _write_manifest(layout, plan, {}, version)
@@ -314,6 +319,8 @@ class _Sync:
              "code_version": [CODE_VERSION] * len(users)},
             schema=FINGERPRINT_SCHEMA,
         )
+        if self.before_commit is not None:  # blocking checks on the rows: a failure commits nothing of them
+            self.before_commit(turns, quarantine)
         replace_users(self.layout, "turns", users, turns, dense=True)
         replace_users(self.layout, "quarantine", users, quarantine)
         replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
@@ -402,8 +409,11 @@ def replace_users(layout, table: str, users: list[str], df: pl.DataFrame, dense:
     """These users' rows of `table` become `df`'s: one transaction where the layout offers
     `replace_users`; else one atomic file per user (a user with no rows: an empty file for
     `dense` tables, no file for sparse ones)."""
-    if hasattr(layout, "replace_users"):
-        layout.replace_users(table, users, df)
+    if hasattr(layout, "replace_users"):  # the Delta table store: one commit
+        if not dense and hasattr(layout, "replace_or_remove_users"):
+            layout.replace_or_remove_users(table, users, df)
+        else:
+            layout.replace_users(table, users, df)
         return
     if df.height and not df["user_id"].is_sorted():
         df = df.sort("user_id", maintain_order=True)
