@@ -46,7 +46,7 @@ def register_users(instance, defs) -> list[str]:
     from qumem_pipeline.ingest.discovery import discover
 
     pipeline = defs.resources["pipeline"]
-    found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
+    found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
     register(instance, sorted(found.fingerprints))
     return sorted(found.fingerprints)
 

@@ -3,15 +3,20 @@ import time
 import dagster as dg
 import polars as pl
 
-from assets.check_results import gate
+from assets.check_results import check_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
-from assets.progress import ProgressLogger
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.ingest.incremental import recorded_form
-from qumem_pipeline.ingest.archive import load_archive, write_unattributed_quarantine, write_users
+from qumem_pipeline.ingest.archive import EMPTY_FINGERPRINT
+from qumem_pipeline.ingest.sync import sync_archive
+from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.ingest.validate import TURN_POLARS_SCHEMA
 from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
+
+
+class BlockedByChecks(Exception):
+    """A blocking check failed on rows the archive sync was about to commit."""
 
 
 @dg.asset(
@@ -27,36 +32,69 @@ from resources import PipelineConfig
     ],
 )
 def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
+    """Bring the tables up to date with the archive (only new or changed files are read, once,
+    for every user they hold: qumem_pipeline/ingest/sync.py), then publish this run's users:
+    their turns and fingerprints as the tables now hold them."""
     users = run_user_ids(context)
     t0 = time.perf_counter()
-    result = load_archive(pipeline.archive(), forgotten=pipeline.forgotten())
     layout = pipeline.layout()
-    # Blocking checks on the rows before anything is committed: a failing check publishes nothing.
-    run_turns = result.turns.filter(pl.col("user_id").is_in(users)).height
-    run_q = result.quarantine.filter(pl.col("user_id").is_in(users)).height
-    schema_ok = checks.schema_conforms(result.turns, dict(TURN_POLARS_SCHEMA), "turns")
-    ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
-    written: dict = {}
+    layout.clean_temp_files()
+    blocked: dict[str, checks.CheckOutcome] = {}
 
-    def publish():
-        written["stats"] = write_users(layout, result, users, progress=ProgressLogger(context.log, "turns written"))
-        written["unattributed"] = write_unattributed_quarantine(layout, result)
+    def before_commit(turns_rows: pl.DataFrame, quarantine_rows: pl.DataFrame) -> None:
+        """Blocking checks on the rows about to be written: a failure commits nothing of them."""
+        outcomes = {
+            "schema_conforms": checks.schema_conforms(turns_rows, dict(TURN_POLARS_SCHEMA), "turns"),
+            "quarantine_under_ceiling": checks.quarantine_under_ceiling(
+                turns_rows.height, quarantine_rows.height, pipeline.max_quarantine_fraction),
+        }
+        if not all(o.passed for o in outcomes.values()):
+            blocked.update(outcomes)
+            raise BlockedByChecks(", ".join(n for n, o in outcomes.items() if not o.passed))
 
-    check_results, _ = gate(context, {"schema_conforms": schema_ok, "quarantine_under_ceiling": ceiling}, publish)
-    stats, unattributed = written.get("stats", {}), written.get("unattributed", 0)
-    counts = result.counts()
+    try:
+        report = sync_archive(pipeline.archive(), layout, forgotten=pipeline.forgotten(), before_commit=before_commit)
+    except BlockedByChecks as exc:
+        context.log.error(f"blocking checks failed ({exc}): nothing of those users written, the previous version "
+                          "stays; the files stay pending, so the next run redoes them")
+        return dg.MaterializeResult(check_results=[check_result(n, o) for n, o in blocked.items()],
+                                    metadata={"users": len(users), "blocked_by": str(exc), **version_metadata("turns")})
+    context.log.info(
+        f"archive sync: {len(report.new)} new, {len(report.changed)} changed, {len(report.gone)} gone, "
+        f"{report.unchanged} unchanged files; {report.files_read} read, {report.users_rebuilt} users rebuilt"
+    )
+    run = layout.read_table("turns", users)
+    run = run if run is not None else pl.DataFrame(schema=TURN_POLARS_SCHEMA)
+    fps = layout.read_table("fingerprints", users)
+    stats = {u: {"turns": 0, "quarantined": 0, "fingerprint": EMPTY_FINGERPRINT} for u in users}
+    for row in (fps.iter_rows(named=True) if fps is not None else []):
+        stats[row["user_id"]] = {"turns": row["n_turns"], "quarantined": row["n_quarantined"], "fingerprint": row["fingerprint"]}
+    unattributed_q = layout.read_user_table("quarantine", UNATTRIBUTED)
+    unattributed = unattributed_q.height if unattributed_q is not None else 0
+    all_q = layout.read_table("quarantine")
+    by_field = dict(sorted(all_q.group_by("field").len().rows())) if all_q is not None and all_q.height else {}
+    run_turns = sum(s["turns"] for s in stats.values())
+    run_q = sum(s["quarantined"] for s in stats.values())
     context.log.info(
         f"{len(users)} users: {run_turns} turns, {run_q} quarantined for these users, "
-        f"{unattributed} unattributed bad rows; archive-wide quarantine by field: {counts['quarantined_by_field']}"
+        f"{unattributed} unattributed bad rows; archive-wide quarantine by field: {by_field}"
     )
+    schema_ok = checks.schema_conforms(run, dict(TURN_POLARS_SCHEMA), "turns")
+    ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
     return dg.MaterializeResult(
-        check_results=check_results,
+        check_results=[
+            check_result("schema_conforms", schema_ok),
+            check_result("quarantine_under_ceiling", ceiling),
+        ],
         metadata={
             "users": len(users),
             "dagster/row_count": run_turns,
             "quarantined": run_q,
             "quarantined_unattributed": unattributed,
-            "archive_quarantined_by_field": dg.MetadataValue.json(counts["quarantined_by_field"]),
+            "archive_quarantined_by_field": dg.MetadataValue.json(by_field),
+            "archive_files_read": report.files_read,
+            "archive_files_new_changed_gone": dg.MetadataValue.json(
+                {"new": len(report.new), "changed": len(report.changed), "gone": len(report.gone)}),
             # every user of the run: the nightly schedule compares these with the archive (assets/schedules.py)
             "fingerprints": dg.MetadataValue.json({u: recorded_form(s["fingerprint"]) for u, s in stats.items()}),
             "seconds": round(time.perf_counter() - t0, 3),

@@ -50,7 +50,7 @@ def build_nightly_schedule(
         description=f"Rebuild only new or changed users (runs of <= {users_per_run} users).",
     )
     def _nightly(context: dg.ScheduleEvaluationContext, pipeline: PipelineConfig):
-        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
+        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
         registered = registered_users(context.instance)
         recorded, incomplete = recorded_state(context.instance, registered, final_key)
         plan = plan_rebuild(found.fingerprints, registered, recorded, incomplete)

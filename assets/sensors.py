@@ -40,7 +40,7 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
                     "for new or changed ones.",
     )
     def _sensor(context: dg.SensorEvaluationContext, pipeline: PipelineConfig):
-        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten())
+        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
         digest = archive_digest(found.fingerprints)
         if context.cursor == digest:
             return dg.SkipReason(f"archive unchanged since the last tick ({len(found.fingerprints)} users)")

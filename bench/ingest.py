@@ -1,161 +1,239 @@
-"""Ingest throughput: import + validate + per-user atomic Parquet writes, against a plain
-polars read + write of the same generated archive in the same run (the ratio is the figure).
+"""Ingest bench: streaming, incremental ingest of a generated multi-file archive, against a plain
+polars streaming read of the same files plus one Parquet write, measured in the same run.
 
-Also measured in the same run, as the ceiling the storage layout sets: the same plain read
-followed by plain per-user writes (one file per user, same writer settings and threads, no
-validation, no fingerprints, no quarantine, no temp files). `layout_ceiling_ratio` is what any
-ingest could reach with one file per user here; `ratio / layout_ceiling_ratio` is how close
-the pipeline gets to it.
+Per configuration (`--turns`, one or more; default 1,000,000), each measured phase runs in a
+child process of its own, so its peak RSS (getrusage of that child) is its own:
 
-    python bench/ingest.py [--turns 1000000] [--users 1000] [--json]
+- `baseline`: `pl.scan_ndjson(files).sink_parquet(one file)` (polars streaming engine);
+- `ingest`: `sync_archive` into a fresh data root: read in blocks, validate, spill by user bucket,
+  merge, write every table, fingerprints, manifest;
+- `incremental`: one new file of 10,000 turns (later turns of 100 existing users) added to the
+  ingested archive, then `sync_archive` again (change detection over every file + ingest);
+- `read`: 100 users' turns read back through DataLayout (best of 3);
+- `readers` (first configuration only): the candidate bounded readers timed over the same files.
+
+Keys of the last JSON line (figures of the largest configuration): `ratio` (baseline seconds /
+ingest seconds), `peak_rss_mb` (ingest child), `incremental_ratio` (incremental seconds / full
+ingest seconds), `files_per_table`; with two configurations also `rss_growth` (peak of the
+largest / peak of the smallest) and `read_ratio_10m_vs_1m` (100-user read, largest / smallest);
+`configs` holds every configuration's figures.
+
+    python bench/ingest.py [--turns 1000000 [10000000]] [--users-per-1m 1000] [--json]
 """
 
 import argparse
 import json
-import random
+import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qumem_pipeline.ingest.importers.canonical import import_canonical  # noqa: E402
-from qumem_pipeline.ingest.archive import WRITER_THREADS, write_users  # noqa: E402
-from qumem_pipeline.storage.layout import FSYNC, DataLayout, write_parquet  # noqa: E402
-from qumem_pipeline.ingest.validate import validate  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 WORDS = ("trip plan dinner vegan window seat swim run knee doctor budget book piano lesson "
          "weekend flight hotel recipe garden dog cat meeting deadline report coffee tea").split()
+TURNS_PER_FILE = 1_000_000
+NEW_FILE_TURNS = 10_000
+READ_USERS = 100
 
 
-def generate(path: Path, n_turns: int, n_users: int, seed: int = 0) -> None:
-    """A canonical JSONL archive: users with alternating user/assistant turns and ISO timestamps."""
-    rng = random.Random(seed)
+def _frame(users: np.ndarray, t: np.ndarray, seed: int) -> pl.DataFrame:
+    """Rows for (user number, turn number) pairs: alternating roles, 40-turn conversations, ISO times."""
+    rng = np.random.default_rng(seed)
+    n = len(users)
+    lens = rng.integers(6, 31, n)
+    idx = rng.integers(0, len(WORDS), (n, 30))
+    words = np.array(WORDS)[idx]
+    text = [" ".join(w[:k]) for w, k in zip(words, lens)]
+    uid = pl.Series("u", users).cast(pl.String).str.zfill(6)
+    epoch = 1_700_000_000 + users * 60 + t * 37
+    return pl.DataFrame({
+        "user_id": "user-" + uid,
+        "conversation_id": "user-" + uid + "-c" + pl.Series(t // 40).cast(pl.String),
+        "role": np.where(t % 2 == 0, "user", "assistant"),
+        "text": text,
+        "timestamp": pl.Series(epoch * 1_000_000).cast(pl.Datetime("us")).dt.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "source_ref": "m" + pl.Series(t).cast(pl.String),
+    }).with_columns(session_id=pl.col("conversation_id"),
+                    speaker=pl.when(pl.col("role") == "user").then(pl.col("user_id")).otherwise(pl.lit("assistant")))
+
+
+def generate(archive: Path, n_turns: int, n_users: int) -> list[Path]:
+    """Files by period: file k holds every user's k-th slice of turns (users span all files)."""
+    archive.mkdir(parents=True)
     per_user = n_turns // n_users
-    with open(path, "w", encoding="utf-8") as f:
-        for u in range(n_users):
-            uid = f"user-{u:06d}"
-            base = 1_700_000_000 + u * 60
-            for t in range(per_user):
-                conv = t // 40
-                text = " ".join(rng.choices(WORDS, k=rng.randint(6, 30)))
-                ts = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(base + t * 37))
-                f.write(json.dumps({
-                    "user_id": uid, "conversation_id": f"{uid}-c{conv}", "session_id": f"{uid}-c{conv}",
-                    "role": "user" if t % 2 == 0 else "assistant", "speaker": uid if t % 2 == 0 else "assistant",
-                    "text": text, "timestamp": ts, "source_ref": f"m{t}",
-                }) + "\n")
+    n_files = max(2, n_turns // TURNS_PER_FILE)
+    cuts = np.linspace(0, per_user, n_files + 1).astype(int)
+    files = []
+    users_per_block = max(1, 200_000 // max(1, per_user // n_files))
+    for k in range(n_files):
+        path = archive / f"period-{k:03d}.jsonl"
+        with open(path, "wb") as f:
+            for u0 in range(0, n_users, users_per_block):
+                us = np.arange(u0, min(n_users, u0 + users_per_block))
+                t = np.arange(cuts[k], cuts[k + 1])
+                uu, tt = np.repeat(us, len(t)), np.tile(t, len(us))
+                _frame(uu, tt, seed=k * 100_003 + u0).write_ndjson(f)
+        files.append(path)
+    return files
 
 
-def write_per_user_plain(df: pl.DataFrame, root: Path) -> float:
-    """One file per user with the pipeline's writer and thread count; seconds taken.
+def add_new_file(archive: Path, n_turns: int, n_users: int) -> Path:
+    """10,000 later turns of the first 100 users, in a file that sorts after the others."""
+    per_user = n_turns // n_users
+    users = np.repeat(np.arange(READ_USERS), NEW_FILE_TURNS // READ_USERS)
+    t = np.tile(np.arange(per_user, per_user + NEW_FILE_TURNS // READ_USERS), READ_USERS)
+    path = archive / "period-999-new.jsonl"
+    _frame(users, t, seed=999).write_ndjson(path)
+    return path
 
-    Each user's rows are a zero-copy slice (the generated archive is written user by user, as
-    the pipeline's own writer uses slices), so the ceiling pays for no copy the pipeline avoids."""
+
+def files_per_table(data: Path) -> dict[str, int]:
+    """Data files (*.parquet) under each table's directory of the data root (either backend:
+    per-user Parquet files, or a Delta table's data files; its _delta_log is not counted)."""
+    return {d.name: sum(1 for p in d.rglob("*.parquet") if "_delta_log" not in p.parts)
+            for d in sorted(data.iterdir()) if d.is_dir() and not d.name.startswith("_")}
+
+
+# ---------------------------------------------------------------- child phases
+def phase(name: str, work: Path) -> dict:
+    from qumem_pipeline.ingest.archive import ArchiveConfig
+    from qumem_pipeline.storage.layout import DataLayout
+
+    archive, data = work / "archive", work / "data"
+    out: dict = {}
     t = time.perf_counter()
-    if not df["user_id"].is_sorted():
-        df = df.sort("user_id", maintain_order=True)
-    runs = df["user_id"].rle().struct.unnest()
-    slices, start = [], 0
-    for user, n in zip(runs["value"].to_list(), runs["len"].to_list()):
-        d = root / f"user_id={user}"
-        d.mkdir(parents=True)
-        slices.append((d / "part-0.parquet", start, n))
-        start += n
-    with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:
-        list(pool.map(lambda job: write_parquet(df.slice(job[1], job[2]), job[0]), slices))
-    return time.perf_counter() - t
+    if name == "baseline":
+        pl.scan_ndjson(sorted(archive.glob("*.jsonl"))).sink_parquet(work / "baseline.parquet", compression="zstd")
+        out["rows"] = pl.scan_parquet(work / "baseline.parquet").select(pl.len()).collect().item()
+    elif name in ("ingest", "incremental"):
+        from qumem_pipeline.ingest.sync import sync_archive
+
+        r = sync_archive(ArchiveConfig(str(archive)), DataLayout(data))
+        out.update(files_read=r.files_read, users_rebuilt=r.users_rebuilt, rows_read=r.rows_read,
+                   quarantined=r.quarantined_read, new=len(r.new), unchanged=r.unchanged, stages_s=r.stages_s)
+    elif name == "read":
+        layout = DataLayout(data)
+        users = sorted(layout.users_in("turns"))[:READ_USERS]
+        best = float("inf")
+        for _ in range(3):
+            t1 = time.perf_counter()
+            df = layout.read_table("turns", users)
+            best = min(best, time.perf_counter() - t1)
+        out.update(rows=df.height, users=len(users), best_s=round(best, 4))
+    elif name == "readers":
+        out.update(compare_readers(sorted(archive.glob("*.jsonl"))))
+    out["seconds"] = round(time.perf_counter() - t, 3)
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return out
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def compare_readers(files: list[Path]) -> dict:
+    """Seconds to read every file in bounded pieces, per candidate reader (rows must agree)."""
+    import pyarrow.json as paj
+
+    from qumem_pipeline.ingest.stream import DEFAULT_CHUNK_BYTES, read_batches
+
+    res = {}
+
+    def timed(key, fn):
+        t = time.perf_counter()
+        n = fn()
+        res[key] = {"seconds": round(time.perf_counter() - t, 3), "rows": n}
+
+    timed("qumem_blocks_polars_read_ndjson", lambda: sum(b.raw.height for f in files for b in read_batches(f, "jsonl")))
+    timed("pyarrow_json_open_json", lambda: sum(
+        batch.num_rows for f in files for batch in paj.open_json(f, read_options=paj.ReadOptions(block_size=DEFAULT_CHUNK_BYTES))))
+    timed("polars_scan_ndjson_collect_batches", lambda: sum(
+        df.height for df in pl.scan_ndjson(files).collect_batches()))
+    return {"readers": res}
+
+
+# ---------------------------------------------------------------- parent
+def run_child(name: str, work: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, __file__, "--phase", name, "--work", str(work)],
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    if p.returncode:
+        raise RuntimeError(f"phase {name} failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
+    n_users = max(1, n_turns * users_per_1m // 1_000_000)
+    work = Path(tempfile.mkdtemp(prefix="qumem-bench-ingest-"))
+    try:
+        t = time.perf_counter()
+        files = generate(work / "archive", n_turns, n_users)
+        gen_s = time.perf_counter() - t
+        mb = sum(f.stat().st_size for f in files) / 1e6
+        print(f"[{n_turns:,} turns] generated {len(files)} files, {mb:,.0f} MB in {gen_s:.0f}s", file=sys.stderr, flush=True)
+        base = run_child("baseline", work)
+        ingest = run_child("ingest", work)
+        assert ingest["rows_read"] == base["rows"] == n_turns // n_users * n_users and ingest["quarantined"] == 0
+        read = run_child("read", work)
+        add_new_file(work / "archive", n_turns, n_users)
+        inc = run_child("incremental", work)
+        assert inc["files_read"] == 1 and inc["rows_read"] == NEW_FILE_TURNS
+        out = {
+            "turns": base["rows"], "users": n_users, "files": len(files), "archive_mb": round(mb, 1),
+            "generate_s": round(gen_s, 1),
+            "baseline_s": base["seconds"], "ingest_s": ingest["seconds"],
+            "ratio": round(base["seconds"] / ingest["seconds"], 3),
+            "turns_per_s": round(base["rows"] / ingest["seconds"]),
+            "peak_rss_mb": ingest["peak_rss_mb"], "baseline_peak_rss_mb": base["peak_rss_mb"],
+            "ingest_stages_s": ingest["stages_s"],
+            "incremental_s": inc["seconds"], "incremental_users_rebuilt": inc["users_rebuilt"],
+            "incremental_ratio": round(inc["seconds"] / ingest["seconds"], 4),
+            "read_100_users_s": read["best_s"], "read_100_users_rows": read["rows"],
+            "files_per_table": files_per_table(work / "data"),
+        }
+        if readers:
+            out["readers"] = run_child("readers", work)["readers"]
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--turns", type=int, default=1_000_000)
-    ap.add_argument("--users", type=int, default=1_000)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, nargs="+", default=[1_000_000])
+    ap.add_argument("--users-per-1m", type=int, default=1_000, help="users per million turns (10,000 at 10M)")
+    ap.add_argument("--no-readers", action="store_true", help="skip the reader comparison")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.phase:
+        print(json.dumps(phase(args.phase, Path(args.work))))
+        return 0
 
-    work = Path(tempfile.mkdtemp(prefix="qumem-bench-ingest-"))
-    try:
-        archive = work / "archive.jsonl"
-        t = time.perf_counter()
-        generate(archive, args.turns, args.users)
-        gen_s = time.perf_counter() - t
-        size_mb = archive.stat().st_size / 1e6
-
-        # Baseline: plain polars read + write of the same data (no validation, one file).
-        t, c = time.perf_counter(), time.process_time()
-        df = pl.read_ndjson(archive)
-        df.write_parquet(work / "baseline.parquet", compression="zstd")
-        base_s, base_cpu = time.perf_counter() - t, time.process_time() - c
-        n = df.height
-        del df
-
-        # Layout ceiling: the same plain read, then one plain file per user (nothing else).
-        t = time.perf_counter()
-        df = pl.read_ndjson(archive)
-        ceiling_s = time.perf_counter() - t + write_per_user_plain(df, work / "ceiling")
-        del df
-
-        # Pipeline: import (fast path) + validate + per-user atomic writes + fingerprints.
-        t, c = time.perf_counter(), time.process_time()
-        imported = import_canonical(archive)
-        t_import = time.perf_counter()
-        res = validate(imported)
-        del imported
-        t_validate = time.perf_counter()
-        users = sorted(res.turns["user_id"].unique().to_list())
-        layout = DataLayout(work / "data")
-        write_users(layout, res, users)
-        t_end = time.perf_counter()
-        files_per_table = {t: len(layout.store.files(t)) for t in layout.tables()}  # active Delta data files
-        ours_s, ours_cpu = t_end - t, time.process_time() - c
-        assert res.turns.height == n and res.quarantine.height == 0, "generated data must be all valid"
-
-        out = {
-            "turns": n,
-            "users": len(users),
-            "archive_mb": round(size_mb, 1),
-            "generate_s": round(gen_s, 2),
-            "baseline_s": round(base_s, 3),
-            "pipeline_s": round(ours_s, 3),
-            "baseline_turns_per_s": round(n / base_s),
-            "turns_per_s": round(n / ours_s),
-            "ratio": round(base_s / ours_s, 3),
-            "layout_ceiling_s": round(ceiling_s, 3),
-            "layout_ceiling_ratio": round(base_s / ceiling_s, 3),
-            "share_of_ceiling": round(ceiling_s / ours_s, 3),
-            # CPU seconds (all threads): less sensitive than wall time to other jobs sharing the cores.
-            "baseline_cpu_s": round(base_cpu, 3),
-            "pipeline_cpu_s": round(ours_cpu, 3),
-            "stages_s": {"import": round(t_import - t, 3), "validate": round(t_validate - t_import, 3),
-                         "write_users_and_fingerprints": round(t_end - t_validate, 3)},
-            "writer": "Delta table per table (deltalake, zstd), partitioned by user bucket, one commit per table",
-            "files_per_table": files_per_table,
-            "fsync": FSYNC,
-            "writer_threads": WRITER_THREADS,
-            "peak_rss_mb": round(peak_rss_mb(), 1),
-        }
-        print(f"{'stage':<44}{'seconds':>10}{'turns/s':>14}")
-        print(f"{'baseline: polars read_ndjson + write_parquet':<44}{base_s:>10.2f}{n / base_s:>14,.0f}")
-        print(f"{'qumem: import + validate + per-user writes':<44}{ours_s:>10.2f}{n / ours_s:>14,.0f}")
-        print(f"{'ceiling: same read + plain per-user writes':<44}{ceiling_s:>10.2f}{n / ceiling_s:>14,.0f}")
-        print(f"ratio (qumem / baseline throughput): {out['ratio']:.2f}  (target >= 0.5); "
-              f"layout ceiling {out['layout_ceiling_ratio']:.2f}, qumem at {out['share_of_ceiling']:.0%} of it")
-        print(f"{n:,} turns, {len(users):,} users, {size_mb:.0f} MB JSONL; peak RSS {out['peak_rss_mb']:.0f} MB")
-        if args.json:
-            print(json.dumps(out))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    configs = {}
+    for i, n in enumerate(sorted(args.turns)):
+        configs[n] = run_config(n, args.users_per_1m, readers=(i == 0 and not args.no_readers))
+    small, large = configs[min(configs)], configs[max(configs)]
+    out = {k: large[k] for k in ("turns", "ratio", "peak_rss_mb", "incremental_ratio", "files_per_table")}
+    if len(configs) > 1:
+        out["rss_growth"] = round(large["peak_rss_mb"] / small["peak_rss_mb"], 3)
+        out[f"read_ratio_{max(configs) // 1_000_000}m_vs_{min(configs) // 1_000_000}m"] = round(
+            large["read_100_users_s"] / small["read_100_users_s"], 3)
+        if (max(configs), min(configs)) == (10_000_000, 1_000_000):
+            out["read_ratio_10m_vs_1m"] = out["read_ratio_10m_vs_1m"]
+    out["configs"] = {str(n): c for n, c in configs.items()}
+    print(f"{'turns':>12}{'MB':>8}{'baseline s':>12}{'ingest s':>10}{'ratio':>8}{'peak MB':>9}{'incr s':>8}{'incr ratio':>11}{'read100 s':>10}")
+    for n, c in configs.items():
+        print(f"{n:>12,}{c['archive_mb']:>8,.0f}{c['baseline_s']:>12.2f}{c['ingest_s']:>10.2f}{c['ratio']:>8.3f}"
+              f"{c['peak_rss_mb']:>9.0f}{c['incremental_s']:>8.2f}{c['incremental_ratio']:>11.4f}{c['read_100_users_s']:>10.4f}")
+    if args.json:
+        print(json.dumps(out))
     return 0
 
 

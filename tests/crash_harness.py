@@ -18,7 +18,7 @@ from qumem_pipeline.storage.table_store import STORE_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Columns that say when a row was made or how long a call took: they differ between any two runs.
-VOLATILE_COLUMNS = {"created_at", "latency_s", "ledger"}  # `ledger` (checkpoints) is JSON holding latency_s
+VOLATILE_COLUMNS = {"created_at", "latency_s", "ledger", "mtime_ns"}  # `ledger` (checkpoints) is JSON holding latency_s; mtime_ns: the ingest manifest's file times
 USERS = ("ava", "bo", "cy")
 
 TOPICS = [

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from qumem_pipeline.ingest.importers import import_archive
 from qumem_pipeline.ingest.importers.chatgpt import import_chatgpt
 from qumem_pipeline.ingest.importers.locomo import import_locomo
+from qumem_pipeline.ingest.sync import validate_streamed
 from qumem_pipeline.ingest.validate import StrictValidationError, validate
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -224,6 +225,21 @@ def _when(ts: str | None) -> datetime | None:
         return d if d.tzinfo else d.replace(tzinfo=timezone.utc)
 
 
+Q_ORDER = ["source_file", "source_row", "field", "reason", "raw"]
+
+
+def assert_streaming_matches(path, res, fmt=None, drop=(), **kw):
+    """The bounded-memory reader in tiny blocks / batches gives the whole-file path's rows."""
+    chunk, limit = kw.pop("chunk_bytes", 53), kw.pop("max_text_chars", MAX_TEXT)
+    for reader in ("auto", "blocks"):  # polars' streaming scan (with its fallback), and the blocks
+        streamed = validate_streamed(str(path), fmt, chunk_bytes=chunk, batch_rows=3, max_text_chars=limit, now=NOW,
+                                     reader=reader)
+        assert streamed.turns.select(res.turns.columns).equals(res.turns), reader
+        order = [c for c in Q_ORDER if c not in drop]
+        assert streamed.quarantine.drop(*drop).sort(order, nulls_last=True).equals(
+            res.quarantine.drop(*drop).sort(order, nulls_last=True)), reader
+
+
 # ---------------------------------------------------------------- canonical JSONL / Parquet
 
 
@@ -233,6 +249,7 @@ def test_fuzzed_jsonl(tmp_path_factory, recs, blank_lines):
     path = write_records(tmp_path_factory.mktemp("jsonl") / "archive.jsonl", recs, blank_lines)
     res = validate(import_archive(path), max_text_chars=MAX_TEXT, now=NOW)
     check_outcome(res, recs, (lambda i: 2 * i + 1) if blank_lines else (lambda i: i + 1), str(path))
+    assert_streaming_matches(path, res)
 
 
 @FUZZ
@@ -244,6 +261,7 @@ def test_fuzzed_parquet(tmp_path_factory, recs):
     pl.DataFrame([r.row for r in recs], schema=schema, orient="row").write_parquet(path)
     res = validate(import_archive(path), max_text_chars=MAX_TEXT, now=NOW)
     check_outcome(res, recs, lambda i: i + 1, str(path))
+    assert_streaming_matches(path, res)
 
 
 @FUZZ
@@ -270,6 +288,7 @@ def test_ten_megabyte_turn_is_quarantined_and_neighbours_arrive(tmp_path):
     path.write_bytes(b"\n".join(json.dumps(r, ensure_ascii=False).encode() for r in (ok, big, dict(ok, text="bye"))) + b"\n")
     res = validate(import_archive(path))
     assert res.turns["text"].to_list() == ["hello", "bye"]
+    assert_streaming_matches(path, res, chunk_bytes=1 << 20, max_text_chars=100_000)  # the line is 20x a block
     [q] = res.quarantine.rows(named=True)
     assert (q["source_row"], q["field"]) == (2, "text") and "10000000 chars" in q["reason"]
     assert len(q["raw"]) <= 4096, "quarantine keeps a bounded excerpt, not the 10 MB"
@@ -471,6 +490,7 @@ def test_random_bytes_into_every_importer(tmp_path_factory, blob, fmt):
     path = tmp_path_factory.mktemp("rand") / f"blob{suffix}"
     path.write_bytes(blob)
     res = validate(import_archive(path, fmt), now=NOW)
+    assert_streaming_matches(path, res, fmt, max_text_chars=100_000)
     q = res.quarantine
     assert q["reason"].is_not_null().all() and (q["source_file"] == str(path)).all()
     if fmt == "jsonl":

@@ -84,7 +84,7 @@ def fingerprint_user(turns: pl.DataFrame) -> str:
     return UserRuns(turns).fingerprints()[users[0]]
 
 
-_EMPTY_FINGERPRINT = hashlib.sha256(b"").hexdigest()
+_EMPTY_FINGERPRINT = EMPTY_FINGERPRINT = hashlib.sha256(b"").hexdigest()
 _FINGERPRINT_BLOCK_ROWS = 1 << 17
 
 

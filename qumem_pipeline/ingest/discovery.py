@@ -1,4 +1,10 @@
-"""Which users does the archive hold, and whose content changed since we last looked?"""
+"""Which users does the archive hold, and whose content changed since we last looked?
+
+With a layout, discovery first brings the tables up to date with the archive (`sync_archive`:
+only new or changed files are read) and then takes every user's fingerprint from the
+fingerprints table, so a nightly check costs O(changed files), not O(archive). Without one it
+reads and validates the whole archive in memory (the old path, kept for tools and tests).
+"""
 
 from dataclasses import dataclass
 
@@ -14,9 +20,14 @@ class Discovery:
     removed: list[str]  # known before, absent now (kept: deleting data is `forget`'s job)
 
 
-def discover(cfg: ArchiveConfig, known: dict[str, str], forgotten: ForgetRegistry | None = None) -> Discovery:
-    result = load_archive(cfg, forgotten=forgotten)
-    fps = user_fingerprints(result.turns)
+def discover(cfg: ArchiveConfig, known: dict[str, str], forgotten: ForgetRegistry | None = None, layout=None) -> Discovery:
+    if layout is not None:
+        from qumem_pipeline.ingest.sync import stored_fingerprints, sync_archive
+
+        sync_archive(cfg, layout, forgotten=forgotten)
+        fps = stored_fingerprints(layout, forgotten)
+    else:
+        fps = user_fingerprints(load_archive(cfg, forgotten=forgotten).turns)
     new = sorted(u for u in fps if u not in known)
     changed = sorted(u for u in fps if u in known and known[u] != fps[u])
     removed = sorted(u for u in known if u not in fps)

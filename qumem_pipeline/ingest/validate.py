@@ -98,8 +98,44 @@ def validate(
     strict: bool = False,
     now: datetime | None = None,
 ) -> ValidationResult:
+    """The whole-file path: row rules, then duplicates and history order over every row at once."""
+    candidates, bad = check_rows(imported, max_text_chars=max_text_chars, now=now)
+    good, dups = _split_duplicates(candidates)
+    quarantine = pl.concat(
+        [bad.filter(~pl.col("_parse")).drop("_parse"), _quarantine_rows(dups), bad.filter(pl.col("_parse")).drop("_parse")],
+        how="vertical",
+    )
+    if strict:
+        raise_if_bad(quarantine)
+    return ValidationResult(turns=_finalise_turns(good), quarantine=quarantine)
+
+
+def raise_if_bad(quarantine: pl.DataFrame) -> None:
+    """Strict mode: any quarantined row fails the run, naming the first one's file, row and field."""
+    if quarantine.height:
+        first = quarantine.row(0, named=True)
+        raise StrictValidationError(
+            f"{quarantine.height} bad row(s); first: {first['source_file']}:{first['source_row']} "
+            f"field {first['field']}: {first['reason']}"
+        )
+
+
+def check_rows(
+    imported: ImportResult,
+    *,
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    now: datetime | None = None,
+    pos_offset: int = 0,
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The rules that look at one row alone: (candidate rows with `_pos`, `_ts`; their quarantine rows).
+
+    Every rule but the duplicate one is row-local, so a file can be checked batch by batch
+    (`pos_offset` numbers a batch's rows after the previous batches'); `merge_candidates` then
+    applies the duplicate rule and the history order over a user's candidates from every batch
+    and file. The quarantine frame has a `_parse` column: True for importer parse failures.
+    """
     now = now or datetime.now(timezone.utc)
-    raw = with_parsed_timestamps(imported.raw.with_row_index("_pos"))
+    raw = with_parsed_timestamps(imported.raw.with_row_index("_pos", offset=pos_offset).with_columns(pl.col("_pos").cast(pl.Int64)))
     uid = pl.col("user_id")
     # The id rule (a regex) runs once per distinct user, not once per row.
     ids = raw.select(pl.col("user_id").unique())
@@ -124,7 +160,7 @@ def validate(
     checked = raw.with_columns(_code=code)
     # Filtering copies every text: skip it when no row failed (the common case).
     all_good = checked["_code"].null_count() == checked.height
-    good = checked if all_good else checked.filter(pl.col("_code").is_null())
+    good = (checked if all_good else checked.filter(pl.col("_code").is_null())).drop("_code")
     # Reasons are built only for the (few) bad rows.
     bad = checked.filter(pl.col("_code").is_not_null())
     field: pl.Expr = pl.lit(None, dtype=pl.String)
@@ -133,19 +169,26 @@ def validate(
         field = pl.when(pl.col("_code") == i).then(pl.lit(name)).otherwise(field)
         reason = pl.when(pl.col("_code") == i).then(why).otherwise(reason)
     bad = bad.with_columns(_field=field, _reason=reason)
-
-    good, dups = _split_duplicates(good)
     quarantine = pl.concat(
-        [_quarantine_rows(bad), _quarantine_rows(dups), _failure_rows(imported.failures)],
+        [_quarantine_rows(bad).with_columns(_parse=pl.lit(False)),
+         _failure_rows(imported.failures).with_columns(_parse=pl.lit(True))],
         how="vertical",
     )
-    if strict and quarantine.height:
-        first = quarantine.row(0, named=True)
-        raise StrictValidationError(
-            f"{quarantine.height} bad row(s); first: {first['source_file']}:{first['source_row']} "
-            f"field {first['field']}: {first['reason']}"
-        )
-    return ValidationResult(turns=_finalise_turns(good), quarantine=quarantine)
+    return good, quarantine
+
+
+# Every duplicate's quarantine reason starts so: a rebuild recomputes these, never keeps them.
+DUPLICATE_REASON_PREFIX = "duplicate turn id: "
+# Candidate columns named so ride along into the turn table without the prefix (provenance).
+KEEP_PREFIX = "_keep_"
+
+
+def merge_candidates(candidates: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """Candidate rows of whole users (any batches and files, in source order = `_pos`) ->
+    (turns in history order, numbered; the duplicate candidates; their quarantine rows)."""
+    candidates = candidates if candidates["_pos"].is_sorted() else candidates.sort("_pos")
+    good, dups = _split_duplicates(candidates)
+    return _finalise_turns(good), dups.drop("_dup_idx", "_dup_ref", "_field", "_reason"), _quarantine_rows(dups)
 
 
 def _blank(col: pl.Expr) -> pl.Expr:
@@ -168,8 +211,8 @@ def _split_duplicates(good: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     dups = marked.filter(is_dup).with_columns(
         _field=pl.when(pl.col("_dup_idx")).then(pl.lit("turn_index")).otherwise(pl.lit("source_ref")),
         _reason=pl.when(pl.col("_dup_idx"))
-        .then(pl.lit("duplicate turn id: turn_index ") + pl.col("turn_index").cast(pl.String) + pl.lit(" already seen for this user"))
-        .otherwise(pl.lit("duplicate turn id: source_ref '") + pl.col("source_ref") + pl.lit("' already seen in this conversation")),
+        .then(pl.lit(DUPLICATE_REASON_PREFIX + "turn_index ") + pl.col("turn_index").cast(pl.String) + pl.lit(" already seen for this user"))
+        .otherwise(pl.lit(DUPLICATE_REASON_PREFIX + "source_ref '") + pl.col("source_ref") + pl.lit("' already seen in this conversation")),
     )
     return (marked if dups.height == 0 else marked.filter(~is_dup)), dups
 
@@ -251,4 +294,5 @@ def _finalise_turns(good: pl.DataFrame) -> pl.DataFrame:
         source_ref=pl.col("source_ref"),
         source_file=pl.col("source_file"),
         code_version=pl.lit(stage_version("turns")),
+        *[pl.col(c).alias(c[len(KEEP_PREFIX):]) for c in good.columns if c.startswith(KEEP_PREFIX)],
     ).cast(dict(TURN_POLARS_SCHEMA))

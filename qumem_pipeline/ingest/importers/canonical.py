@@ -7,6 +7,7 @@ Both paths give the same table for the same file (tests/test_importer_canonical.
 """
 
 import glob
+import io
 import json
 import mmap
 import os
@@ -89,6 +90,30 @@ def import_jsonl_file(path: Path) -> ImportResult:
     return _reparse_rows(path, path.read_bytes(), df, suspect)
 
 
+def import_jsonl_bytes(src: str, data: bytes, first_line: int = 1, n_lines: int | None = None) -> ImportResult:
+    """`import_jsonl_file` on a run of whole lines of a file that starts at line `first_line`:
+    the same fast path and the same line-by-line fallback, so a file read block by block gives
+    the rows and failures the whole-file read gives (tests/test_ingest_streaming.py)."""
+    if not data or data.isspace():  # isspace stops at the first other byte; strip would copy
+        return ImportResult(raw=empty_raw_frame())
+    try:
+        df = pl.read_ndjson(io.BytesIO(data), schema=SOURCE_COLUMNS, row_index_name="source_row", row_index_offset=first_line)
+    except Exception:  # noqa: BLE001 - as in import_jsonl_file
+        return _import_jsonl_lines(Path(src), data, first_line)
+    n_lines = (data.count(b"\n") if n_lines is None else n_lines) + (data[-1:] != b"\n")
+    if df.height != n_lines:
+        nonblank = [i + first_line for i, line in enumerate(data.split(b"\n")) if line.strip()]
+        if len(nonblank) != df.height:
+            return _import_jsonl_lines(Path(src), data, first_line)
+        df = df.with_columns(source_row=pl.Series(nonblank, dtype=pl.Int64))
+    df = df.with_columns(source_file=pl.lit(src, dtype=pl.String), source_row=pl.col("source_row").cast(pl.Int64))
+    df = df.select(list(RAW_COLUMNS))
+    suspect = df.select(_suspect_expr()).to_series()
+    if not suspect.any():
+        return ImportResult(raw=df)
+    return _reparse_rows(Path(src), data, df, suspect, first_line)
+
+
 def _count_lines(path: Path, block: int = 1 << 24) -> int:
     """Lines in the file (a last line without "\\n" counts), counted on a memory map: no copy.
 
@@ -119,15 +144,16 @@ def _suspect_expr() -> pl.Expr:
     return pl.any_horizontal([pl.col(c).str.contains(_MAYBE_NOT_A_STRING) for c in STRING_FIELDS]).fill_null(False).alias("suspect")
 
 
-def _reparse_rows(path: Path, data: bytes, df: pl.DataFrame, suspect: pl.Series) -> ImportResult:
+def _reparse_rows(path: Path, data: bytes, df: pl.DataFrame, suspect: pl.Series, first_line: int = 1) -> ImportResult:
     """Replace the suspect rows by what the line-by-line path makes of their lines."""
     line_ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n"))
     records: list[dict] = []
     failures: list[ParseFailure] = []
     src = str(path)
     for lineno in df.filter(suspect)["source_row"].to_list():
-        start = int(line_ends[lineno - 2]) + 1 if lineno > 1 else 0
-        end = int(line_ends[lineno - 1]) if lineno - 1 < len(line_ends) else len(data)
+        local = lineno - first_line + 1  # line number inside `data`
+        start = int(line_ends[local - 2]) + 1 if local > 1 else 0
+        end = int(line_ends[local - 1]) if local - 1 < len(line_ends) else len(data)
         record, failure = _parse_line(src, lineno, data[start:end])
         if failure is not None:
             failures.append(failure)
@@ -144,11 +170,11 @@ def _with_source(df: pl.DataFrame, source_file: str, rows: pl.Series) -> pl.Data
     ).select(list(RAW_COLUMNS))
 
 
-def _import_jsonl_lines(path: Path, data: bytes) -> ImportResult:
+def _import_jsonl_lines(path: Path, data: bytes, first_line: int = 1) -> ImportResult:
     records: list[dict] = []
     failures: list[ParseFailure] = []
     src = str(path)
-    for lineno, line in enumerate(data.split(b"\n"), start=1):
+    for lineno, line in enumerate(data.split(b"\n"), start=first_line):
         if not line.strip():
             continue
         record, failure = _parse_line(src, lineno, line)
@@ -217,8 +243,17 @@ def import_parquet_file(path: Path) -> ImportResult:
     try:
         df = pl.read_parquet(path)
     except (pl.exceptions.PolarsError, OSError) as e:  # not Parquet, truncated, empty: one failure for the file
-        reason = f"not a readable Parquet file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        return ImportResult(raw=empty_raw_frame(), failures=[ParseFailure(src, None, "(file)", reason, None)])
+        return ImportResult(raw=empty_raw_frame(), failures=[unreadable_parquet(src, e)])
+    return parquet_frame(df, src)
+
+
+def unreadable_parquet(src: str, e: BaseException) -> ParseFailure:
+    reason = f"not a readable Parquet file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return ParseFailure(src, None, "(file)", reason, None)
+
+
+def parquet_frame(df: pl.DataFrame, src: str, first_row: int = 1) -> ImportResult:
+    """Rows of a Parquet file (or one batch of it, starting at row `first_row`) -> raw frame."""
     cols = []
     for name, dtype in SOURCE_COLUMNS.items():
         if name not in df.columns:
@@ -238,18 +273,17 @@ def import_parquet_file(path: Path) -> ImportResult:
         if name in df.columns:
             lost = lost | (pl.col(name).is_not_null() & out[name].is_null())
     bad_mask = df.select(lost.alias("bad"))["bad"] if df.height else pl.Series([], dtype=pl.Boolean)
+    rows = pl.int_range(first_row, first_row + df.height, dtype=pl.Int64, eager=True)
     if df.height and bad_mask.any():
         for i in bad_mask.arg_true().to_list():
             row = df.row(i, named=True)
             fields = [n for n in SOURCE_COLUMNS if n in df.columns and row[n] is not None and out[n][i] is None]
             failures.append(
-                ParseFailure(src, i + 1, fields[0], f"cannot convert {fields[0]}={row[fields[0]]!r} to {SOURCE_COLUMNS[fields[0]]}",
+                ParseFailure(src, first_row + i, fields[0], f"cannot convert {fields[0]}={row[fields[0]]!r} to {SOURCE_COLUMNS[fields[0]]}",
                              escape_raw(json.dumps(row, default=str)))
             )
         out = out.filter(~bad_mask)
-        rows = pl.int_range(1, df.height + 1, dtype=pl.Int64, eager=True).filter(~bad_mask)
-    else:
-        rows = pl.int_range(1, df.height + 1, dtype=pl.Int64, eager=True)
+        rows = rows.filter(~bad_mask)
     return ImportResult(raw=_with_source(out, src, rows), failures=failures)
 
 

@@ -1,0 +1,135 @@
+"""The ingest manifest: which archive files are in the tables, and in what state.
+
+One row per ingested file: its id (path relative to the archive root), the path it was read
+from, size, mtime, sha256 and the ingest version. A file is *unchanged* when size and mtime
+equal the manifest's (nothing is read), or when they moved but the content hash did not; it is
+*changed* when the hash differs or it was ingested under another ingest version (the
+validation rules changed), *new* when the manifest has no row for it, *gone* when the manifest
+has a row and the archive no longer has the file.
+
+Stored through DataLayout as the table `ingest_manifest` under the unattributed key (it
+belongs to no user). Which users each file holds is a per-user table (`ingest_file_users`), so
+forgetting a user removes that too.
+"""
+
+import glob
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.ingest.stream import file_format, hash_file, stat_key
+
+MANIFEST_TABLE = "ingest_manifest"
+FILE_USERS_TABLE = "ingest_file_users"
+MANIFEST_SCHEMA = {
+    "file_id": pl.String,
+    "path": pl.String,
+    "format": pl.String,
+    "size": pl.Int64,
+    "mtime_ns": pl.Int64,
+    "sha256": pl.String,
+    "ingest_version": pl.String,
+    "rows": pl.Int64,
+    "quarantined": pl.Int64,
+}
+FILE_USERS_SCHEMA = {"user_id": pl.String, "file_id": pl.String}
+
+
+@dataclass(frozen=True)
+class ArchiveFile:
+    file_id: str
+    path: Path
+    format: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class FilePlan:
+    files: list[ArchiveFile]  # every file of the archive now, in archive order (= history tie order)
+    new: list[ArchiveFile] = field(default_factory=list)
+    changed: list[ArchiveFile] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)  # file ids
+    unchanged: list[ArchiveFile] = field(default_factory=list)
+    hashes: dict[str, str] = field(default_factory=dict)  # file_id -> sha256 of files hashed this run
+    old: dict[str, dict] = field(default_factory=dict)  # the manifest as read
+
+    @property
+    def to_read(self) -> list[ArchiveFile]:
+        return self.new + self.changed
+
+    @property
+    def replaced_ids(self) -> set[str]:
+        """Files whose old rows must leave the tables: changed and gone ones."""
+        return {f.file_id for f in self.changed} | set(self.gone)
+
+    @property
+    def touched(self) -> bool:
+        return bool(self.new or self.changed or self.gone)
+
+
+def _root_of(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if p.is_file():
+        return p.parent
+    static = []  # a glob: the part before the first wildcard
+    for part in p.parts:
+        if any(ch in part for ch in "*?["):
+            break
+        static.append(part)
+    return Path(*static) if static else Path(".")
+
+
+def list_archive(path: str, archive_format: str | None) -> list[ArchiveFile]:
+    """Every file of the archive with its size and mtime (a stat each, no read)."""
+    from qumem_pipeline.ingest.importers import detect_format
+    from qumem_pipeline.ingest.importers.canonical import expand_paths
+
+    if not os.path.exists(path) and not any(ch in path for ch in "*?["):
+        raise FileNotFoundError(f"archive not found: {path}")
+    fmt = archive_format or detect_format(path)
+    if fmt in ("locomo", "chatgpt"):
+        paths = [Path(path)] if Path(path).is_file() else sorted(Path(m) for m in glob.glob(path) if Path(m).is_file())
+    else:
+        paths = expand_paths(path)
+    root = _root_of(path)
+    out = []
+    for p in paths:
+        size, mtime = stat_key(p)
+        out.append(ArchiveFile(Path(os.path.relpath(p, root)).as_posix(), p, file_format(p, fmt), size, mtime))
+    return out
+
+
+def read_manifest(layout) -> dict[str, dict]:
+    df = layout.read_user_table(MANIFEST_TABLE, UNATTRIBUTED)
+    return {} if df is None else {r["file_id"]: r for r in df.iter_rows(named=True)}
+
+
+def plan_files(files: list[ArchiveFile], manifest: dict[str, dict], ingest_version: str) -> FilePlan:
+    """Sort the archive's files into new / changed / unchanged / gone; hash only those whose
+    size or mtime moved (an unchanged archive is not read at all)."""
+    plan = FilePlan(files=files, old=manifest)
+    for f in files:
+        row = manifest.get(f.file_id)
+        if row is None:
+            plan.new.append(f)
+        elif row["ingest_version"] != ingest_version:
+            plan.changed.append(f)
+        elif (row["size"], row["mtime_ns"]) == (f.size, f.mtime_ns):
+            plan.unchanged.append(f)
+        else:
+            digest = hash_file(f.path)
+            plan.hashes[f.file_id] = digest
+            (plan.unchanged if digest == row["sha256"] else plan.changed).append(f)
+    here = {f.file_id for f in files}
+    plan.gone = sorted(fid for fid in manifest if fid not in here)
+    return plan
+
+
+def manifest_frame(rows: list[dict]) -> pl.DataFrame:
+    return pl.DataFrame(rows, schema=MANIFEST_SCHEMA) if rows else pl.DataFrame(schema=MANIFEST_SCHEMA)

@@ -1,0 +1,508 @@
+"""Streaming, incremental ingest: bring the tables up to date with the archive, file by file.
+
+    sync_archive(cfg, layout)   # reads only new or changed files; an unchanged archive reads none
+
+1. The manifest (ingest/manifest.py) sorts the archive's files into new, changed, unchanged and
+   gone (a stat per file; a hash only where size or mtime moved).
+2. Each new or changed file is read in bounded batches (ingest/stream.py); each batch gets the
+   row rules (validate.check_rows); its candidate rows are spilled to a local scratch directory,
+   split into user buckets, so no step holds more than one bucket of the archive in memory.
+3. Bucket by bucket, every *affected* user (a user with rows in a read, changed or gone file)
+   is rebuilt: their stored rows from the other files (turns, plus the rare rows held back as
+   duplicates) + the new rows, through the same duplicate rule and history order as the
+   whole-archive path (validate.merge_candidates). Turns, quarantine, duplicates, per-user file
+   list and fingerprints are replaced for those users only (one `replace_users` call per table
+   and bucket where the layout has it).
+4. The manifest is written last. Before any user is written, the files being read are marked
+   pending in it, so a run killed half-way is finished by the next one (a pending file counts as
+   changed: its rows leave every affected user first).
+
+History order and turn_index (the rule, tested in tests/test_ingest_incremental.py): a user's
+turns are ordered exactly as the whole-archive path orders them (validate._finalise_turns), with
+"source order" across files = the archive's file order (sorted paths, as `expand_paths` lists
+them), then the row's position in its file; turn_index numbers that order 0..N-1 per user. So
+a user's history spanning several files gets the same turn_index as a one-shot read of the whole
+archive, and a later file whose turns come later in that order (later timestamps, or a later
+path at equal keys) only appends: every earlier turn keeps its turn_index. A file that inserts
+turns before existing ones shifts the later indices, as a re-read of the whole archive would.
+
+Rows carry their provenance in four extra turn columns: source_file_id (path relative to the
+archive root), source_row, source_pos (0-based position in the file) and source_turn_index (the
+explicit turn_index of the source row, if any).
+"""
+
+import fcntl
+import hashlib
+import math
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+
+from qumem_pipeline.contracts.ids import valid_user_id_expr
+from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.ingest.archive import _EMPTY_FINGERPRINT, FINGERPRINT_SCHEMA, WRITER_THREADS, ArchiveConfig, UserRuns
+from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
+from qumem_pipeline.ingest.manifest import (
+    FILE_USERS_SCHEMA,
+    FILE_USERS_TABLE,
+    MANIFEST_TABLE,
+    FilePlan,
+    list_archive,
+    manifest_frame,
+    plan_files,
+    read_manifest,
+)
+from qumem_pipeline.ingest.stream import DEFAULT_BATCH_ROWS, DEFAULT_CHUNK_BYTES, RESTART, read_batches
+from qumem_pipeline.ingest.validate import (
+    DUPLICATE_REASON_PREFIX,
+    KEEP_PREFIX,
+    QUARANTINE_POLARS_SCHEMA,
+    check_rows,
+    merge_candidates,
+    raise_if_bad,
+)
+
+DUPLICATES_TABLE = "turn_duplicates"
+# A stored turn in memory, about (bench/ingest.py's generated turns): sizes the merge groups, so a
+# small new file that touches users with long histories still merges in bounded pieces.
+_STORED_ROW_BYTES = 400
+# Scratch bytes of candidate rows per user bucket: the unit of memory of the merge step.
+BUCKET_BYTES = 128 << 20
+_FILE_RANK_STRIDE = 1 << 40  # _pos = file rank * 2^40 + position in file (files of < 10^12 rows)
+PROVENANCE = {"source_file_id": pl.String, "source_row": pl.Int64, "source_pos": pl.Int64, "source_turn_index": pl.Int64}
+_KEEP = {KEEP_PREFIX + k: v for k, v in PROVENANCE.items()}
+
+
+def ingest_version(cfg: ArchiveConfig) -> str:
+    """Rows ingested under other rules are re-ingested: the code version and the text limit."""
+    return f"{CODE_VERSION}:max_text={cfg.max_text_chars}"
+
+
+@dataclass
+class SyncReport:
+    new: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    files_read: int = 0
+    users_rebuilt: int = 0
+    rows_read: int = 0
+    quarantined_read: int = 0
+    seconds: float = 0.0
+    stages_s: dict = field(default_factory=lambda: {"read_check_spill": 0.0, "merge": 0.0, "fingerprints": 0.0, "write": 0.0})
+
+    def _add(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        self.stages_s[stage] = round(self.stages_s[stage] + now - since, 3)
+        return now
+
+    @property
+    def touched(self) -> bool:
+        return bool(self.new or self.changed or self.gone)
+
+
+def sync_archive(
+    cfg: ArchiveConfig,
+    layout,
+    forgotten=None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    batch_rows: int = DEFAULT_BATCH_ROWS,
+    bucket_bytes: int = BUCKET_BYTES,
+    now: datetime | None = None,
+    reader: str = "auto",
+    before_commit=None,
+) -> SyncReport:
+    """Ingest the archive's new and changed files, drop its gone files' rows (see the module doc).
+
+    `before_commit(turns, quarantine)` sees each group's rows before they are written and may
+    raise to stop the sync (blocking checks): nothing of that group is written, groups written
+    before it stay, and the files stay pending, so the next sync redoes them."""
+    t0 = time.perf_counter()
+    with _exclusive(layout):
+        version = ingest_version(cfg)
+        plan = plan_files(list_archive(cfg.path, cfg.format), read_manifest(layout), version)
+        report = SyncReport(new=[f.file_id for f in plan.new], changed=[f.file_id for f in plan.changed],
+                            gone=list(plan.gone), unchanged=len(plan.unchanged))
+        if plan.touched:
+            job = _Sync(cfg, layout, forgotten, plan, version, report, now)
+            job.reader, job.before_commit = reader, before_commit
+            job.run(chunk_bytes, batch_rows, bucket_bytes)
+        elif plan.hashes:  # touched, same bytes: remember the new mtime so the hash is not redone
+            _write_manifest(layout, plan, {}, version)
+    report.seconds = round(time.perf_counter() - t0, 3)
+    return report
+
+
+@contextmanager
+def _exclusive(layout):
+    """One sync at a time per data root on this machine (two would rebuild the same users)."""
+    key = hashlib.sha256(str(getattr(layout, "root", id(layout))).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"qumem-ingest-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+class _Sync:
+    def __init__(self, cfg, layout, forgotten, plan: FilePlan, version: str, report: SyncReport, now):
+        self.cfg, self.layout, self.forgotten, self.plan = cfg, layout, forgotten, plan
+        self.version, self.report, self.now = version, report, now
+        self.rank = {f.file_id: i for i, f in enumerate(plan.files)}
+        # Rows of these files leave the tables: read again (new, changed, pending) or gone.
+        self.dropped = {f.file_id for f in plan.to_read} | set(plan.gone)
+        self.path_ids = {r["path"]: fid for fid, r in plan.old.items()} | {str(f.path): f.file_id for f in plan.files}
+        self.file_stats: dict[str, dict] = {}
+        self.in_memory: list[pl.DataFrame] = []  # staged rows when everything read fits one bucket
+        self.staged_users: list[pl.DataFrame] = []
+
+    def run(self, chunk_bytes: int, batch_rows: int, bucket_bytes: int) -> None:
+        read_bytes = sum(f.size for f in self.plan.to_read)
+        self.n_buckets = max(1, math.ceil(read_bytes / bucket_bytes))
+        # Pending first: a run killed from here on is redone by the next (see module doc).
+        _write_manifest(self.layout, self.plan, {}, self.version, pending=True)
+        scratch = Path(tempfile.mkdtemp(prefix="qumem-ingest-"))
+        try:
+            t = time.perf_counter()
+            new_q = self._stage(scratch, chunk_bytes, batch_rows)
+            self.report._add("read_check_spill", t)
+            users_by_bucket = self._affected_users(scratch, new_q)
+            attributed = new_q.filter(valid_user_id_expr())
+            history = self._stored_rows([u for us in users_by_bucket.values() for u in us])
+            max_rows = max(1, bucket_bytes // _STORED_ROW_BYTES)
+            for b in range(self.n_buckets):
+                groups = _groups(users_by_bucket.get(b, []), history, max_rows)
+                staged = self._staged(scratch / f"bucket={b}")
+                for users in groups:
+                    mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
+                    self._rebuild(users, mine, attributed.filter(pl.col("user_id").is_in(users)))
+                del staged
+            self._rebuild_unattributed(new_q.filter(~valid_user_id_expr()))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        _write_manifest(self.layout, self.plan, self.file_stats, self.version)
+
+    # --- 2. read, check, spill -------------------------------------------------------------
+    def _stage(self, scratch: Path, chunk_bytes: int, batch_rows: int) -> pl.DataFrame:
+        """Read every new/changed file once; spill candidates by bucket; return the quarantine rows."""
+        quarantine = []
+        part = 0
+        for f in self.plan.to_read:
+            hasher = hashlib.sha256()
+            pos = rows = bad = 0
+            file_q, file_users = len(quarantine), len(self.staged_users)
+            file_parts: list[Path] = []
+            file_mem = len(self.in_memory)
+            for batch in read_batches(f.path, f.format, chunk_bytes=chunk_bytes, batch_rows=batch_rows, hasher=hasher,
+                                      reader=self.reader):
+                if batch is RESTART:  # the fast reader gave up: forget what it staged for this file
+                    for p in file_parts:
+                        p.unlink()
+                    del self.in_memory[file_mem:]
+                    quarantine = quarantine[:file_q]
+                    self.staged_users = self.staged_users[:file_users]
+                    pos = rows = bad = 0
+                    file_parts = []
+                    continue
+                n = batch.raw.height
+                good, q = check_rows(batch, max_text_chars=self.cfg.max_text_chars, now=self.now, pos_offset=pos)
+                pos += n
+                q = self._not_forgotten(q.drop("_parse"))
+                if self.cfg.strict:
+                    raise_if_bad(q)
+                quarantine.append(q)
+                bad += q.height
+                good = self._not_forgotten(good).with_columns(
+                    **{KEEP_PREFIX + "source_file_id": pl.lit(f.file_id),
+                       KEEP_PREFIX + "source_row": pl.col("source_row"),
+                       KEEP_PREFIX + "source_pos": pl.col("_pos"),
+                       KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
+                    _bucket=self._bucket(pl.col("user_id")),
+                )
+                rows += good.height
+                self.staged_users.append(good.select(pl.col("user_id").unique()))
+                if self.n_buckets == 1:  # all of it is one bucket's worth: no spill
+                    self.in_memory.append(good.drop("_bucket"))
+                    continue
+                for (b,), chunk in good.partition_by("_bucket", as_dict=True).items():
+                    d = scratch / f"bucket={b}"
+                    d.mkdir(exist_ok=True)
+                    # Arrow IPC, uncompressed: local scratch read back once; ~15x cheaper to write than Parquet here
+                    chunk.drop("_bucket").write_ipc(d / f"part-{part:06d}.arrow")
+                    file_parts.append(d / f"part-{part:06d}.arrow")
+                    part += 1
+            self.file_stats[f.file_id] = {"sha256": hasher.hexdigest(), "rows": rows, "quarantined": bad}
+            self.report.files_read += 1
+            self.report.rows_read += rows
+            self.report.quarantined_read += bad
+        return pl.concat(quarantine, how="vertical") if quarantine else pl.DataFrame(schema=QUARANTINE_POLARS_SCHEMA)
+
+    def _bucket(self, col: pl.Expr) -> pl.Expr:
+        return (col.hash(seed=0) % self.n_buckets).cast(pl.Int64)
+
+    def _not_forgotten(self, df: pl.DataFrame) -> pl.DataFrame:
+        if self.forgotten is None or not len(self.forgotten) or df.height == 0:
+            return df
+        gone = [u for u in df["user_id"].drop_nulls().unique().to_list() if self.forgotten.contains(u)]
+        return df.filter(pl.col("user_id").is_null() | ~pl.col("user_id").is_in(gone)) if gone else df
+
+    def _affected_users(self, scratch: Path, new_q: pl.DataFrame) -> dict[int, list[str]]:
+        """bucket -> users to rebuild: users of the files read, plus the old users of changed,
+        pending and gone files (from the per-user file lists)."""
+        frames = list(self.staged_users)
+        frames.append(new_q.filter(valid_user_id_expr()).select("user_id"))
+        if self.plan.changed or self.plan.gone:
+            held = self.layout.read_table(FILE_USERS_TABLE)
+            if held is not None:
+                frames.append(held.filter(pl.col("file_id").is_in(sorted(self.dropped))).select("user_id"))
+        users = pl.concat(frames, how="vertical").unique().with_columns(_b=self._bucket(pl.col("user_id")))
+        if self.forgotten is not None and len(self.forgotten):
+            users = users.filter(~pl.col("user_id").map_elements(self.forgotten.contains, return_dtype=pl.Boolean))
+        return {b: sorted(g["user_id"].to_list()) for (b,), g in users.partition_by("_b", as_dict=True).items()}
+
+    # --- 3. rebuild the affected users of one bucket ------------------------------------------
+    def _staged(self, staged_dir: Path) -> pl.DataFrame:
+        """One bucket's staged candidates (spilled, or held when all of it was one bucket)."""
+        parts = [_empty_candidates()] + self.in_memory
+        self.in_memory = []
+        if staged_dir.exists():
+            parts += [pl.read_ipc(p) for p in sorted(staged_dir.glob("*.arrow"))]
+        return pl.concat(parts, how="diagonal_relaxed", rechunk=True)  # a chunked frame sorts/gathers ~2x slower
+
+    def _stored_rows(self, users: list[str]) -> dict[str, int]:
+        """Rows each affected user already has in the tables (their fingerprint's n_turns)."""
+        if not users or not self.plan.old:
+            return {}
+        fp = self.layout.read_table("fingerprints", users)
+        return {} if fp is None else dict(fp.select("user_id", "n_turns").iter_rows())
+
+    def _rebuild(self, users: list[str], staged: pl.DataFrame, new_q: pl.DataFrame) -> None:
+        t = time.perf_counter()
+        parts = [_turns_to_candidates(self._kept(self.layout.read_table("turns", users))),
+                 _duplicates_to_candidates(self._kept(self.layout.read_table(DUPLICATES_TABLE, users))),
+                 staged]
+        candidates = pl.concat([_empty_candidates()] + [p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
+            _pos=(pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE)
+            + pl.col(KEEP_PREFIX + "source_pos")
+        )
+        turns, dups, dup_q = merge_candidates(candidates)
+        if self.cfg.strict:
+            raise_if_bad(dup_q)
+        old_q = self.layout.read_table("quarantine", users) if self.plan.old else None
+        kept_q = None
+        if old_q is not None:
+            kept_q = old_q.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped))
+                                  & ~pl.col("reason").str.starts_with(DUPLICATE_REASON_PREFIX))
+        quarantine = pl.concat([q for q in (kept_q, new_q, dup_q) if q is not None], how="vertical_relaxed")
+        quarantine = quarantine.cast(dict(QUARANTINE_POLARS_SCHEMA)).select(list(QUARANTINE_POLARS_SCHEMA))
+        dup_rows = _candidates_to_duplicates(dups)
+        file_users = pl.concat([
+            turns.select("user_id", file_id="source_file_id"),
+            dup_rows.select("user_id", file_id="source_file_id"),
+            quarantine.select("user_id", file_id=pl.col("source_file").replace_strict(self.path_ids, default=None)),
+        ], how="vertical").drop_nulls().unique().sort("user_id", "file_id").cast(FILE_USERS_SCHEMA)
+        t = self.report._add("merge", t)
+        fps = UserRuns(turns).fingerprints()
+        t = self.report._add("fingerprints", t)
+        n_q = dict(quarantine.group_by("user_id").len().iter_rows()) if quarantine.height else {}
+        n_t = dict(turns.group_by("user_id").len().iter_rows()) if turns.height else {}
+        fingerprints = pl.DataFrame(
+            {"user_id": users, "fingerprint": [fps.get(u, _EMPTY_FINGERPRINT) for u in users],
+             "n_turns": [n_t.get(u, 0) for u in users], "n_quarantined": [n_q.get(u, 0) for u in users],
+             "code_version": [CODE_VERSION] * len(users)},
+            schema=FINGERPRINT_SCHEMA,
+        )
+        if self.before_commit is not None:  # blocking checks on the rows: a failure commits nothing of them
+            self.before_commit(turns, quarantine)
+        replace_users(self.layout, "turns", users, turns, dense=True)
+        replace_users(self.layout, "quarantine", users, quarantine)
+        replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
+        replace_users(self.layout, FILE_USERS_TABLE, users, file_users)
+        # Recorded only after the users' data is in place: a fingerprint vouches for its turns.
+        replace_users(self.layout, "fingerprints", users, fingerprints, dense=True)
+        self.report._add("write", t)
+        self.report.users_rebuilt += len(users)
+
+    def _kept(self, df: pl.DataFrame | None) -> pl.DataFrame | None:
+        """Stored rows that stay: those from files not read again and not gone. Rows written
+        before there was a manifest (no source_file_id) belong to files being read again."""
+        if df is None or df.height == 0 or not self.plan.old or "source_file_id" not in df.columns:
+            return None
+        return df.filter(~pl.col("source_file_id").is_in(sorted(self.dropped)))
+
+    def _rebuild_unattributed(self, new_q: pl.DataFrame) -> None:
+        """Bad rows with no usable user id live under their own key (as before)."""
+        old = self.layout.read_user_table("quarantine", UNATTRIBUTED) if self.plan.old else None
+        if old is not None:
+            old = old.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped)))
+        q = pl.concat([x for x in (old, new_q) if x is not None], how="vertical_relaxed").cast(dict(QUARANTINE_POLARS_SCHEMA))
+        self.layout.write_user_table("quarantine", UNATTRIBUTED, q.select(list(QUARANTINE_POLARS_SCHEMA)))
+
+
+def _groups(users: list[str], stored: dict[str, int], max_rows: int) -> list[list[str]]:
+    """Consecutive users cut so each group's stored history stays under `max_rows` rows (a user
+    over it is a group of its own)."""
+    groups, cur, n = [], [], 0
+    for u in users:
+        k = stored.get(u, 0)
+        if cur and n + k > max_rows:
+            groups.append(cur)
+            cur, n = [], 0
+        cur.append(u)
+        n += k
+    return groups + [cur] if cur else groups
+
+
+# --- stored rows <-> candidate rows ---------------------------------------------------------
+def _empty_candidates() -> pl.DataFrame:
+    from qumem_pipeline.ingest.importers.base import ImportResult
+
+    good, _ = check_rows(ImportResult.empty())
+    return good.with_columns(**{KEEP_PREFIX + k: pl.lit(None, dtype=v) for k, v in PROVENANCE.items()})
+
+
+def _turns_to_candidates(t: pl.DataFrame | None) -> pl.DataFrame | None:
+    """A stored turn back into the form check_rows gives (its source turn_index and position)."""
+    if t is None:
+        return None
+    return t.select(
+        "user_id", "conversation_id", "session_id",
+        turn_index=pl.col("source_turn_index"),
+        role="role", speaker="speaker", text="text",
+        timestamp=pl.col("timestamp").dt.strftime("%Y-%m-%dT%H:%M:%S%.6fZ"),
+        source_ref="source_ref", source_file="source_file", source_row="source_row",
+        _ts=pl.col("timestamp"),
+        **{KEEP_PREFIX + k: pl.col(k) for k in PROVENANCE},
+    )
+
+
+_DUP_EXTRA = {k: v for k, v in PROVENANCE.items() if k not in RAW_COLUMNS}
+_DUP_COLUMNS = list(RAW_COLUMNS) + ["parsed_timestamp"] + list(_DUP_EXTRA) + ["code_version"]
+
+
+def _candidates_to_duplicates(d: pl.DataFrame) -> pl.DataFrame:
+    """Rows held back as later copies of a turn id: kept whole, because removing the file of
+    the first copy makes them valid again."""
+    return d.select(
+        *RAW_COLUMNS, parsed_timestamp=pl.col("_ts"),
+        **{k: pl.col(KEEP_PREFIX + k).cast(v) for k, v in _DUP_EXTRA.items()},
+        code_version=pl.lit(CODE_VERSION),
+    ).select(_DUP_COLUMNS)
+
+
+def _duplicates_to_candidates(d: pl.DataFrame | None) -> pl.DataFrame | None:
+    if d is None:
+        return None
+    return d.select(*RAW_COLUMNS, _ts=pl.col("parsed_timestamp"), **{KEEP_PREFIX + k: pl.col(k) for k in PROVENANCE})
+
+
+
+# --- writes -------------------------------------------------------------------------------
+def replace_users(layout, table: str, users: list[str], df: pl.DataFrame, dense: bool = False) -> None:
+    """These users' rows of `table` become `df`'s: one transaction where the layout offers
+    `replace_users`; else one atomic file per user (a user with no rows: an empty file for
+    `dense` tables, no file for sparse ones)."""
+    if hasattr(layout, "replace_users"):  # the Delta table store: one commit
+        if not dense and hasattr(layout, "replace_or_remove_users"):
+            layout.replace_or_remove_users(table, users, df)
+        else:
+            layout.replace_users(table, users, df)
+        return
+    if df.height and not df["user_id"].is_sorted():
+        df = df.sort("user_id", maintain_order=True)
+    runs: dict[str, tuple[int, int]] = {}
+    if df.height:
+        start = 0
+        r = df["user_id"].rle().struct.unnest()
+        for u, n in zip(r["value"].to_list(), r["len"].to_list()):
+            runs[u] = (start, n)
+            start += n
+    empty = df.clear()
+
+    def one(u: str) -> None:
+        part = df.slice(*runs[u]) if u in runs else empty
+        if dense:
+            layout.write_user_table(table, u, part)
+        else:
+            layout.write_or_remove_user_table(table, u, part)
+
+    with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:
+        list(pool.map(one, users))
+
+
+def _write_manifest(layout, plan: FilePlan, stats: dict[str, dict], version: str, pending: bool = False) -> None:
+    rows = []
+    reading = {f.file_id for f in plan.to_read}
+    for f in plan.files:
+        old = plan.old.get(f.file_id)
+        if f.file_id in reading:
+            if pending:  # counts as changed until this run finishes it
+                rows.append({**_file_row(f, "", "pending", 0, 0)})
+            else:
+                s = stats[f.file_id]
+                rows.append(_file_row(f, s["sha256"], version, s["rows"], s["quarantined"]))
+        elif old is not None:
+            rows.append({**old, "size": f.size, "mtime_ns": f.mtime_ns, "path": str(f.path),
+                         "sha256": plan.hashes.get(f.file_id, old["sha256"])})
+    if pending:  # gone files stay listed until their rows are gone
+        rows += [plan.old[fid] for fid in plan.gone]
+    layout.write_user_table(MANIFEST_TABLE, UNATTRIBUTED, manifest_frame(rows))
+
+
+def _file_row(f, sha: str, version: str, rows: int, quarantined: int) -> dict:
+    return {"file_id": f.file_id, "path": str(f.path), "format": f.format, "size": f.size, "mtime_ns": f.mtime_ns,
+            "sha256": sha, "ingest_version": version, "rows": rows, "quarantined": quarantined}
+
+
+# --- reading the result ---------------------------------------------------------------------
+def stored_fingerprints(layout, forgotten=None) -> dict[str, str]:
+    """user -> fingerprint for every user with >= 1 turn, from the fingerprints table."""
+    fp = layout.read_table("fingerprints")
+    if fp is None or fp.height == 0:
+        return {}
+    fp = fp.filter(pl.col("n_turns") > 0)
+    out = dict(fp.select("user_id", "fingerprint").iter_rows())
+    if forgotten is not None and len(forgotten):
+        out = {u: f for u, f in out.items() if not forgotten.contains(u)}
+    return out
+
+
+def validate_streamed(path: str, archive_format: str | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      batch_rows: int = DEFAULT_BATCH_ROWS, max_text_chars: int | None = None,
+                      now: datetime | None = None, strict: bool = False, reader: str = "auto"):
+    """The archive through the streaming reader and the split rules, held in memory: the same
+    ValidationResult `validate(import_archive(path))` gives (plus the provenance columns).
+    For tests and benches; `sync_archive` is the bounded-memory path."""
+    from qumem_pipeline.ingest.validate import DEFAULT_MAX_TEXT_CHARS, ValidationResult
+
+    limit = DEFAULT_MAX_TEXT_CHARS if max_text_chars is None else max_text_chars
+    goods, quarantine = [], []
+    for rank, f in enumerate(list_archive(path, archive_format)):
+        pos = 0
+        file_goods, file_q = len(goods), len(quarantine)
+        for batch in read_batches(f.path, f.format, chunk_bytes=chunk_bytes, batch_rows=batch_rows, reader=reader):
+            if batch is RESTART:
+                del goods[file_goods:], quarantine[file_q:]
+                pos = 0
+                continue
+            good, q = check_rows(batch, max_text_chars=limit, now=now, pos_offset=pos)
+            pos += batch.raw.height
+            if strict:
+                raise_if_bad(q.drop("_parse"))
+            quarantine.append(q.drop("_parse"))
+            goods.append(good.with_columns(
+                **{KEEP_PREFIX + "source_file_id": pl.lit(f.file_id), KEEP_PREFIX + "source_row": pl.col("source_row"),
+                   KEEP_PREFIX + "source_pos": pl.col("_pos"), KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
+                _pos=pl.col("_pos") + rank * _FILE_RANK_STRIDE,
+            ))
+    turns, _, dup_q = merge_candidates(pl.concat([_empty_candidates()] + goods, how="vertical_relaxed"))
+    if strict:
+        raise_if_bad(dup_q)
+    return ValidationResult(turns=turns, quarantine=pl.concat(quarantine + [dup_q], how="vertical"))
