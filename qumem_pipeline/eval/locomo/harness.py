@@ -909,6 +909,11 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--qa" in argv:  # answer quality (F1 / BLEU-1) instead of evidence recall
+        from qumem_pipeline.eval.locomo.qa import main as qa_main
+
+        return qa_main([a for a in argv if a != "--qa"])
     ap = argparse.ArgumentParser(prog="python -m qumem_pipeline.eval.locomo.harness", description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="a LoCoMo-format JSON file")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object on the last line")
