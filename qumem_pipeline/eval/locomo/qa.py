@@ -560,132 +560,135 @@ def run_qa(
             llm_holder.append(LedgerBackend(inner, paths["ledger"]))
         return llm_holder[0]
 
-    def todo_of(s: str) -> list[QAQuestion]:
-        return [q for q in selected if (s, q.key) not in done]
+    decompose_info = None
+    try:
+        def todo_of(s: str) -> list[QAQuestion]:
+            return [q for q in selected if (s, q.key) not in done]
 
-    # ---- memories (only when a memory strategy still has questions to answer)
-    mem_df = None
-    episodes_by_user = None
-    want_mem = any(todo_of(s) for s in strategies if s in MEMORY_STRATEGIES or s == "adamem")
-    if want_mem and (memories is not None or decompose):
-        from qumem_pipeline.eval.locomo.harness import build_episodes, decompose_memories, read_memories
+        # ---- memories (only when a memory strategy still has questions to answer)
+        mem_df = None
+        episodes_by_user = None
+        want_mem = any(todo_of(s) for s in strategies if s in MEMORY_STRATEGIES or s == "adamem")
+        if want_mem and (memories is not None or decompose):
+            from qumem_pipeline.eval.locomo.harness import build_episodes, decompose_memories, read_memories
 
-        if decompose:
-            mroot = Path(memories_out) if memories_out else paths["memories"]
-            need_users = [u for c in convs for u in c.user_ids]
-            missing = [u for u in need_users if u not in _existing_memory_users(mroot)]
-            episodes_by_user, clf_version = build_episodes(convs, continuity_artifact, device, all_users=True)
-            if missing:
-                te = time.perf_counter()
-                llm().tags = {"strategy": "decompose"}
-                decompose_memories(convs, {u: e for u, e in episodes_by_user.items() if u in missing}, llm(), mroot,
-                                   llm_max_tokens, log)
-                log(f"[qa] decomposed {len(missing)} users in {time.perf_counter() - te:.0f}s -> {mroot}")
-            else:
-                log(f"[qa] memories of all {len(need_users)} users already in {mroot}; not decomposed again")
-            memories = mroot
-        try:
-            mem_df = read_memories(memories)
-        except (FileNotFoundError, ValueError, OSError) as e:
-            skipped["memories"] = f"memories table unreadable: {e}"
-    for s in strategies:
-        if s in MEMORY_STRATEGIES and mem_df is None and todo_of(s):
-            skipped[f"strategy_{s}"] = skipped.get("memories") or (
-                "needs typed memories: give --memories PARQUET_DIR or --decompose")
-    if "adamem" in strategies and mem_df is None and todo_of("adamem"):
-        skipped["adamem_without_memories"] = "no memories: adamem retrieved over turns only"
-    run = [s for s in strategies if f"strategy_{s}" not in skipped]
-
-    # ---- answering
-    total = sum(len(selected) for _ in run)
-    n_done = sum(1 for s in run for q in selected if (s, q.key) in done)
-    log(f"[qa] strategies {run}: {n_done}/{total} already answered (checkpoint {paths['checkpoint']})")
-    emb = None
-    counter = None
-    window = None
-    window_skips: dict[str, int] = defaultdict(int)
-    answered_now = 0
-    t_answer = None
-    conv_by_id = {c.sample_id: c for c in convs}
-    ctx_cache: dict[str, ConversationContext] = {}
-
-    def ctx_of(sample_id: str) -> ConversationContext:
-        nonlocal emb
-        if sample_id not in ctx_cache:
-            if emb is None:
-                from qumem_pipeline.index.embeddings import Embedder
-
-                emb = embedder or Embedder.load(device=device)
-            conv = conv_by_id[sample_id]
-            eps = (episodes_by_user or {}).get(conv.user_id)
-            ctx_cache[sample_id] = ConversationContext(conv, emb, mem_df, eps)
-        return ctx_cache[sample_id]
-
-    for s in run:
-        by_conv: dict[str, list[QAQuestion]] = defaultdict(list)
-        for q in todo_of(s):
-            by_conv[q.sample_id].append(q)
-        for sample_id, qs in by_conv.items():
-            cx = ctx_of(sample_id)
-            if s in MEMORY_STRATEGIES and cx.memories is None:
-                skipped[f"strategy_{s}_{sample_id}"] = "no memories of this conversation's users"
-                continue
-            if s == "full_history" and counter is None:
-                counter = TokenCounter(os.environ.get("QUMEM_LLM_MODEL"))
-                window = context_tokens or counter.window or DEFAULT_CONTEXT_TOKENS
-            for start in range(0, len(qs), chunk):
-                part = qs[start : start + chunk]
-                if t_answer is None:
-                    t_answer = time.perf_counter()
-                backend = llm()
-                backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
-                contexts, meta = _contexts(s, cx, part, backend, words, emb)
-                reqs, keep = [], []
-                for q, c, m in zip(part, contexts, meta):
-                    msgs = answer_messages(c, q.question)
-                    if s == "full_history":
-                        m["prompt_tokens_counted"] = counter.count(msgs)
-                        if m["prompt_tokens_counted"] + ANSWER_MAX_TOKENS > window:
-                            window_skips[sample_id] += 1
-                            continue
-                    reqs.append(ChatRequest(f"{s}/{q.key}/answer", msgs, ANSWER_SCHEMA, ANSWER_MAX_TOKENS, "qa_answer",
-                                            metadata={"user_id": cx.conv.user_id}))
-                    keep.append((q, m))
-                backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
-                if s == "full_history" and reqs and start == 0:
-                    results = generate_with_retry(backend, reqs[:1]) + generate_with_retry(backend, reqs[1:])
+            if decompose:
+                mroot = Path(memories_out) if memories_out else paths["memories"]
+                need_users = [u for c in convs for u in c.user_ids]
+                missing = [u for u in need_users if u not in _existing_memory_users(mroot)]
+                episodes_by_user, clf_version = build_episodes(convs, continuity_artifact, device, all_users=True)
+                if missing:
+                    te = time.perf_counter()
+                    llm().tags = {"strategy": "decompose"}
+                    decompose_memories(convs, {u: e for u, e in episodes_by_user.items() if u in missing}, llm(), mroot,
+                                       llm_max_tokens, log)
+                    log(f"[qa] decomposed {len(missing)} users in {time.perf_counter() - te:.0f}s -> {mroot}")
                 else:
-                    results = generate_with_retry(backend, reqs)
-                rows = []
-                for (q, m), r in zip(keep, results):
-                    pred = (r.parsed or {}).get("answer") if r.ok else None
-                    rows.append({"strategy": s, "key": q.key, "sample_id": q.sample_id, "category": q.category,
-                                 "question": q.question, "gold": q.gold, "prediction": pred,
-                                 "error": None if r.ok else r.error, **score_answer(pred, q.gold, q.category), **m,
-                                 "answer_prompt_tokens": r.prompt_tokens, "answer_completion_tokens": r.completion_tokens,
-                                 "model": backend.model_name, "answer_prompt_version": ANSWER_PROMPT_VERSION,
-                                 "code_version": CODE_VERSION, "created_at": datetime.now(timezone.utc).isoformat()})
-                ckpt.append(rows)
-                for row in rows:
-                    done[(s, row["key"])] = row
-                answered_now += len(rows)
-                n_done += len(rows) + (len(part) - len(keep))
-                el = time.perf_counter() - t_answer
-                rate = answered_now / el if el > 0 else 0.0
-                eta = (total - n_done) / rate if rate > 0 else float("nan")
-                log(f"[qa] {s} {sample_id}: {n_done}/{total} done, {rate * 60:.1f} questions/min, "
-                    f"ETA {eta / 60:.1f} min (LLM calls sent {backend.sent}, replayed {backend.replayed})")
-    if window_skips:
-        skipped["full_history_over_context_window"] = {"questions": sum(window_skips.values()),
-                                                       "by_conversation": dict(window_skips),
-                                                       "window_tokens": window, "counted_by": counter.method}
-    for b in llm_holder:
-        b.close()
+                    log(f"[qa] memories of all {len(need_users)} users already in {mroot}; not decomposed again")
+                memories = mroot
+            try:
+                mem_df = read_memories(memories)
+            except (FileNotFoundError, ValueError, OSError) as e:
+                skipped["memories"] = f"memories table unreadable: {e}"
+        for s in strategies:
+            if s in MEMORY_STRATEGIES and mem_df is None and todo_of(s):
+                skipped[f"strategy_{s}"] = skipped.get("memories") or (
+                    "needs typed memories: give --memories PARQUET_DIR or --decompose")
+        if "adamem" in strategies and mem_df is None and todo_of("adamem"):
+            skipped["adamem_without_memories"] = "no memories: adamem retrieved over turns only"
+        run = [s for s in strategies if f"strategy_{s}" not in skipped]
+
+        # ---- answering
+        total = sum(len(selected) for _ in run)
+        n_done = sum(1 for s in run for q in selected if (s, q.key) in done)
+        log(f"[qa] strategies {run}: {n_done}/{total} already answered (checkpoint {paths['checkpoint']})")
+        emb = None
+        counter = None
+        window = None
+        window_skips: dict[str, int] = defaultdict(int)
+        answered_now = 0
+        t_answer = None
+        conv_by_id = {c.sample_id: c for c in convs}
+        ctx_cache: dict[str, ConversationContext] = {}
+
+        def ctx_of(sample_id: str) -> ConversationContext:
+            nonlocal emb
+            if sample_id not in ctx_cache:
+                if emb is None:
+                    from qumem_pipeline.index.embeddings import Embedder
+
+                    emb = embedder or Embedder.load(device=device)
+                conv = conv_by_id[sample_id]
+                eps = (episodes_by_user or {}).get(conv.user_id)
+                ctx_cache[sample_id] = ConversationContext(conv, emb, mem_df, eps)
+            return ctx_cache[sample_id]
+
+        for s in run:
+            by_conv: dict[str, list[QAQuestion]] = defaultdict(list)
+            for q in todo_of(s):
+                by_conv[q.sample_id].append(q)
+            for sample_id, qs in by_conv.items():
+                cx = ctx_of(sample_id)
+                if s in MEMORY_STRATEGIES and cx.memories is None:
+                    skipped[f"strategy_{s}_{sample_id}"] = "no memories of this conversation's users"
+                    continue
+                if s == "full_history" and counter is None:
+                    counter = TokenCounter(os.environ.get("QUMEM_LLM_MODEL"))
+                    window = context_tokens or counter.window or DEFAULT_CONTEXT_TOKENS
+                for start in range(0, len(qs), chunk):
+                    part = qs[start : start + chunk]
+                    if t_answer is None:
+                        t_answer = time.perf_counter()
+                    backend = llm()
+                    backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
+                    contexts, meta = _contexts(s, cx, part, backend, words, emb)
+                    reqs, keep = [], []
+                    for q, c, m in zip(part, contexts, meta):
+                        msgs = answer_messages(c, q.question)
+                        if s == "full_history":
+                            m["prompt_tokens_counted"] = counter.count(msgs)
+                            if m["prompt_tokens_counted"] + ANSWER_MAX_TOKENS > window:
+                                window_skips[sample_id] += 1
+                                continue
+                        reqs.append(ChatRequest(f"{s}/{q.key}/answer", msgs, ANSWER_SCHEMA, ANSWER_MAX_TOKENS, "qa_answer",
+                                                metadata={"user_id": cx.conv.user_id}))
+                        keep.append((q, m))
+                    backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
+                    if s == "full_history" and reqs and start == 0:
+                        results = generate_with_retry(backend, reqs[:1]) + generate_with_retry(backend, reqs[1:])
+                    else:
+                        results = generate_with_retry(backend, reqs)
+                    rows = []
+                    for (q, m), r in zip(keep, results):
+                        pred = (r.parsed or {}).get("answer") if r.ok else None
+                        rows.append({"strategy": s, "key": q.key, "sample_id": q.sample_id, "category": q.category,
+                                     "question": q.question, "gold": q.gold, "prediction": pred,
+                                     "error": None if r.ok else r.error, **score_answer(pred, q.gold, q.category), **m,
+                                     "answer_prompt_tokens": r.prompt_tokens, "answer_completion_tokens": r.completion_tokens,
+                                     "model": backend.model_name, "answer_prompt_version": ANSWER_PROMPT_VERSION,
+                                     "code_version": CODE_VERSION, "created_at": datetime.now(timezone.utc).isoformat()})
+                    ckpt.append(rows)
+                    for row in rows:
+                        done[(s, row["key"])] = row
+                    answered_now += len(rows)
+                    n_done += len(rows) + (len(part) - len(keep))
+                    el = time.perf_counter() - t_answer
+                    rate = answered_now / el if el > 0 else 0.0
+                    eta = (total - n_done) / rate if rate > 0 else float("nan")
+                    log(f"[qa] {s} {sample_id}: {n_done}/{total} done, {rate * 60:.1f} questions/min, "
+                        f"ETA {eta / 60:.1f} min (LLM calls sent {backend.sent}, replayed {backend.replayed})")
+        if window_skips:
+            skipped["full_history_over_context_window"] = {"questions": sum(window_skips.values()),
+                                                           "by_conversation": dict(window_skips),
+                                                           "window_tokens": window, "counted_by": counter.method}
+    finally:
+        for b in llm_holder:
+            b.close()
 
     report = build_report(selected, run, done, skipped, strategies)
     ledger_rows = JsonlLog(paths["ledger"]).rows() if paths["ledger"].exists() else []
     report.update({
-        "dataset": str(path), **load_info, "n_conversations": len(convs), "seed": seed,
+        "dataset": str(path), **load_info, "n_conversations": len(convs), "seed": seed, "decomposition": decompose_info,
         "sample_per_category": sample_per_category, "words_budget": words,
         "model": llm_holder[0].model_name if llm_holder else (next(iter(done.values()))["model"] if done else None),
         "answer_prompt_version": ANSWER_PROMPT_VERSION, "memories": str(memories) if memories is not None else None,
