@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -75,8 +76,9 @@ ANSWER_SYSTEM = (
 # LoCoMo's QA prompt (snap-research/locomo task_eval/evaluate_gpts.py, QA_PROMPT), plus how to abstain.
 ANSWER_INSTRUCTION = (
     "Based on the above context, write an answer in the form of a short phrase for the following question. "
-    "Answer with exact words from the context whenever possible. If the context does not contain the answer, "
-    f"answer \"{ABSTAIN_ANSWER}\"."
+    "Answer with exact words from the context whenever possible. Where lines carry the date they were said, "
+    "resolve relative dates such as 'yesterday' or 'last week' against it. "
+    f"Answer \"{ABSTAIN_ANSWER}\" only when the context says nothing about the question."
 )
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 200}},
                  "required": ["answer"], "additionalProperties": False}
@@ -462,7 +464,8 @@ class TokenCounter:
 
 
 def make_backend(llm_kind: str | None):
-    """The run's backend from $QUMEM_LLM_KIND / _BASE_URL / _MODEL; generous request timeouts (a long prompt
+    """The run's backend from $QUMEM_LLM_KIND / _BASE_URL / _MODEL (vllm-managed also reads
+    $QUMEM_VLLM_MAX_MODEL_LEN and $QUMEM_VLLM_EXTRA_ARGS); generous request timeouts (a long prompt
     on a CPU engine with many requests in flight takes minutes, and a retry would restart it)."""
     from qumem_pipeline.llm.factory import make_backend as factory
 
@@ -475,6 +478,8 @@ def make_backend(llm_kind: str | None):
         cfg: dict = {"model": os.environ["QUMEM_LLM_MODEL"], "timeout_s": timeout}
         if os.environ.get("QUMEM_VLLM_MAX_MODEL_LEN"):
             cfg["max_model_len"] = int(os.environ["QUMEM_VLLM_MAX_MODEL_LEN"])
+        if os.environ.get("QUMEM_VLLM_EXTRA_ARGS"):  # e.g. "--enforce-eager" (skips minutes of compile on CPU)
+            cfg["extra_args"] = shlex.split(os.environ["QUMEM_VLLM_EXTRA_ARGS"])
         return factory(kind, **cfg)
     return factory(kind)
 
@@ -634,7 +639,8 @@ def run_qa(
                     continue
                 if s == "full_history" and counter is None:
                     counter = TokenCounter(os.environ.get("QUMEM_LLM_MODEL"))
-                    window = context_tokens or counter.window or DEFAULT_CONTEXT_TOKENS
+                    served = os.environ.get("QUMEM_VLLM_MAX_MODEL_LEN") if llm_backend is None else None
+                    window = context_tokens or (int(served) if served else None) or counter.window or DEFAULT_CONTEXT_TOKENS
                 for start in range(0, len(qs), chunk):
                     part = qs[start : start + chunk]
                     if t_answer is None:
