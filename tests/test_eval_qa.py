@@ -252,3 +252,31 @@ def test_cli_qa_branch_prints_the_table_and_json(toy, embedder, tmp_path, monkey
     rep = json.loads(out[-1])
     assert rep["qa"]["topk_turns"]["f1"] == pytest.approx(F1, abs=1e-4)
     assert any(line.strip().startswith("topk_turns") for line in out[:-1])
+
+
+def test_decompose_builds_memories_once_and_a_rerun_reuses_them(toy, embedder, tmp_path):
+    _, path, _ = toy
+    script = _script()
+    script["rules"].insert(0, {"match": "You are a memory decomposer", "responses": [{"echo_memory": True}]})
+    out = tmp_path / "dec" / "qa.json"
+    with RunningFakeServer(script, tmp_path / "srv") as srv:
+        backend = OpenAIBackend(base_url=srv.base_url, max_retries=0)
+        report = run_qa(str(path), out=out, strategies=["topk_memories"], decompose=True, llm_backend=backend,
+                        embedder=embedder, log=lambda m: None)
+        first = srv.requests()
+    dec = [r for r in first if "memory decomposer" in r["body"]["messages"][0]["content"]]
+    assert dec and report["decomposition"]["users_decomposed"] == [ANN, BO]
+    assert report["qa"]["topk_memories"]["n"] == 4
+    assert (out.with_name("qa.memories") / "memories").is_dir()
+    ledger = [json.loads(x) for x in out.with_name("qa.ledger.jsonl").read_text().splitlines()]
+    assert sum(r["strategy"] == "decompose" for r in ledger) == len(dec)
+    # a new question set (another seed's sample) on the same out: memories reused, nothing decomposed again
+    ck = out.with_name("qa.checkpoint.jsonl")
+    ck.unlink()
+    with RunningFakeServer(script, tmp_path / "srv2") as srv2:
+        report2 = run_qa(str(path), out=out, strategies=["topk_memories"], decompose=True, embedder=embedder,
+                         llm_backend=OpenAIBackend(base_url=srv2.base_url, max_retries=0), log=lambda m: None)
+        again = srv2.requests()
+    assert not [r for r in again if "memory decomposer" in r["body"]["messages"][0]["content"]]
+    assert report2["decomposition"]["users_decomposed"] == []
+    assert report2["qa"]["topk_memories"]["f1"] == report["qa"]["topk_memories"]["f1"]

@@ -587,8 +587,12 @@ def run_qa(
                     llm().tags = {"strategy": "decompose"}
                     decompose_memories(convs, {u: e for u, e in episodes_by_user.items() if u in missing}, llm(), mroot,
                                        llm_max_tokens, log)
+                    decompose_info = {"users_decomposed": missing, "memories_out": str(mroot),
+                                      "seconds_with_backend_start": round(time.perf_counter() - te, 1),
+                                      "continuity_classifier": clf_version}
                     log(f"[qa] decomposed {len(missing)} users in {time.perf_counter() - te:.0f}s -> {mroot}")
                 else:
+                    decompose_info = {"users_decomposed": [], "memories_out": str(mroot), "reused": need_users}
                     log(f"[qa] memories of all {len(need_users)} users already in {mroot}; not decomposed again")
                 memories = mroot
             try:
