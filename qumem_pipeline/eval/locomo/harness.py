@@ -196,6 +196,11 @@ def run_options(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--qa" in argv:  # answer quality (F1 / BLEU-1) instead of evidence recall
+        from qumem_pipeline.eval.locomo.qa import main as qa_main
+
+        return qa_main([a for a in argv if a != "--qa"])
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,282 @@
+"""`qumem eval locomo --qa`: every strategy answers a tiny LoCoMo-format slice through a real (scripted)
+OpenAI-shaped HTTP server; scores, checkpoint, ledger, HTML; an interrupted run resumes and asks the
+server only for what is left (counted at the server)."""
+
+import io
+import json
+import math
+import os
+from contextlib import redirect_stdout
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import polars as pl
+import pytest
+
+from fake_openai_server import RunningFakeServer
+from qumem_pipeline.eval.locomo.qa import QA_STRATEGIES, run_qa
+from qumem_pipeline.llm.base import LLMError
+from qumem_pipeline.llm.openai_backend import OpenAIBackend
+
+ANN, BO = "toy-1-ann", "toy-1-bo"
+Q_DOG = "What is the name of Ann's dog?"
+Q_DRINKS = "What drinks has Ann had?"
+Q_WHEN = "When did Bo run his first marathon?"
+Q_TASTING = "Would Ann enjoy a coffee tasting?"
+Q_ADV = "What is Bo's dog called?"
+# scripted answers (the same for every strategy that has a context; 'none' gets "I do not know")
+ANSWERS = {Q_DOG: "Rex", Q_DRINKS: "coffee, green tea", Q_WHEN: "May 2023", Q_TASTING: "no"}
+# hand-computed: cat 4 Rex 1/1; cat 1 parts 1,1 -> 1/1; cat 2 [may 2023] vs [8 may 2023] F1 0.8, BLEU-1
+# exp(-1/2); cat 3 gold "Likely no" -> [like no] vs [no] F1 2/3, BLEU-1 exp(-1)
+F1 = (1 + 1 + 0.8 + 2 / 3) / 4
+BLEU1 = (1 + 1 + math.exp(-0.5) + math.exp(-1)) / 4
+STATE = {"facts": [{"statement": "Ann's dog is named Rex.", "memory_ids": ["M1"]}],
+         "preference_trajectory": [], "insights": []}
+RESEARCH = {"facts": [{"statement": "The research notes say the dog is Rex.", "memory_ids": ["M1"]}],
+            "preference_trajectory": [], "insights": []}
+MEMORIES = {
+    "m-dog": (ANN, "fact", "Ann adopted a golden retriever puppy named Rex.", [0]),
+    "m-paint": (BO, "fact", "Bo is learning watercolor painting.", [3]),
+    "m-switch": (ANN, "fact", "Ann switched from coffee to green tea.", [4]),
+    "m-marathon": (BO, "fact", "Bo ran his first marathon in Berlin.", [7]),
+    "m-tea": (ANN, "preference", "Ann prefers green tea over coffee.", [4, 6]),
+}
+
+
+def _toy_locomo() -> list[dict]:
+    s1 = [("Ann", "I adopted a golden retriever puppy named Rex last week."), ("Bo", "How is he settling in?"),
+          ("Ann", "He chews my shoes, but I love him."), ("Bo", "I started learning to paint with watercolors.")]
+    s2 = [("Ann", "I switched from coffee to green tea this month."), ("Bo", "Why the change?"),
+          ("Ann", "Coffee kept me awake at night."), ("Bo", "I ran my first marathon in Berlin yesterday.")]
+    conv = {"speaker_a": "Ann", "speaker_b": "Bo",
+            "session_1_date_time": "1:00 pm on 1 May, 2023", "session_2_date_time": "1:00 pm on 9 May, 2023"}
+    for n, sess in ((1, s1), (2, s2)):
+        conv[f"session_{n}"] = [{"speaker": sp, "dia_id": f"D{n}:{i + 1}", "text": t} for i, (sp, t) in enumerate(sess)]
+    qa = [{"question": Q_DOG, "answer": "Rex", "evidence": ["D1:1"], "category": 4},
+          {"question": Q_DRINKS, "answer": "coffee, green tea", "evidence": ["D2:1"], "category": 1},
+          {"question": Q_WHEN, "answer": "8 May 2023", "evidence": ["D2:4"], "category": 2},
+          {"question": Q_TASTING, "answer": "Likely no; she switched to tea", "evidence": ["D2:1"], "category": 3},
+          {"question": Q_ADV, "adversarial_answer": "Rex", "evidence": ["D1:1"], "category": 5}]
+    return [{"sample_id": "toy-1", "conversation": conv, "qa": qa}]
+
+
+def _script(crash_on_a3: bool = False) -> dict:
+    a3 = [{"exit": True}] if crash_on_a3 else [{"json": STATE}]
+    return {"model": "fake-qa", "rules": [
+        {"match": "information-need agent", "responses": [{"json": {"needs": [{"need": "the fact asked", "why": "to answer"}]}}]},
+        {"match": "retrieval-planning agent", "responses": [{"json": {"queries": [{"query": "Ann dog", "stores": ["fact"]}]}}]},
+        {"match": "user-state inference agent", "responses": a3},
+        {"match": "research agent", "responses": [{"json": {**RESEARCH, "sufficient": True, "follow_up": ""}}]},
+        {"match": "working agent", "responses": [{"json": {"answer": "AdaMem's own answer"}}]},
+        {"match": "Context: (none)", "responses": [{"json": {"answer": "I do not know"}}]},
+        *({"match": f"Question: {q}\n", "responses": [{"json": {"answer": a}}]} for q, a in ANSWERS.items()),
+    ], "default": [{"json": {"answer": "Not mentioned in the conversation"}}]}
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qa")
+    path = d / "toy_locomo.json"
+    path.write_text(json.dumps(_toy_locomo()))
+    mem_dir = d / "memories"
+    rows = [{"memory_id": m, "user_id": u, "type": t, "content": c, "evidence_turn_ids": ev, "position": ev[-1]}
+            for m, (u, t, c, ev) in MEMORIES.items()]
+    for uid, g in pl.DataFrame(rows, schema_overrides={"evidence_turn_ids": pl.List(pl.Int64)}).group_by("user_id"):
+        (mem_dir / f"user_id={uid[0]}").mkdir(parents=True)
+        g.write_parquet(mem_dir / f"user_id={uid[0]}" / "part-0.parquet")
+    return d, path, mem_dir
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from qumem_pipeline.index.embeddings import Embedder
+
+    return Embedder.load(device="cpu")
+
+
+def _answer_requests(requests: list[dict]) -> list[dict]:
+    return [r for r in requests if "Based on the above context" in r["body"]["messages"][-1]["content"]]
+
+
+def test_every_strategy_answers_and_is_scored(toy, embedder, tmp_path):
+    d, path, mem_dir = toy
+    with RunningFakeServer(_script(), tmp_path / "srv") as srv:
+        backend = OpenAIBackend(base_url=srv.base_url, max_retries=0, timeout_s=30)
+        report = run_qa(str(path), out=tmp_path / "out" / "qa.json", memories=mem_dir, llm_backend=backend,
+                        embedder=embedder, log=lambda m: None)
+        requests = srv.requests()
+    assert report["strategies"] == list(QA_STRATEGIES)
+    assert report["n_questions"] == 4 and report["n_questions_adversarial"] == 1
+    none = report["qa"]["none"]
+    assert none["f1"] == 0.0 and none["bleu1"] == 0.0 and none["adversarial"]["abstain"] == 0.0
+    for s in QA_STRATEGIES[1:]:
+        v = report["qa"][s]
+        assert v["f1"] == pytest.approx(F1, abs=1e-4), s
+        assert v["bleu1"] == pytest.approx(BLEU1, abs=1e-4), s
+        assert v["per_category"]["2"]["f1"] == pytest.approx(0.8)
+        assert v["per_category"]["3"]["bleu1"] == pytest.approx(math.exp(-1), abs=1e-4)
+        assert v["adversarial"] == {"n": 1, "abstain": 1.0}
+        assert v["not_answered"] == 0 and v["no_answer"] == 0
+    # the same answer prompt for every strategy; only the context differs
+    answers = _answer_requests(requests)
+    assert len(answers) == 5 * len(QA_STRATEGIES)
+    assert {r["body"]["messages"][0]["content"] for r in answers} == {answers[0]["body"]["messages"][0]["content"]}
+    ctx = {s: [] for s in QA_STRATEGIES}
+    for r in answers:
+        text = r["body"]["messages"][-1]["content"]
+        for s, marker in [("none", "Context: (none)"), ("full_history", "Session 2 (9 May 2023):"),
+                          ("topk_turns", "Relevant parts of the conversation"), ("topk_memories", "Memories about"),
+                          ("qumem", "Inferred state")]:
+            if text.startswith(marker) or (s == "full_history" and marker in text):
+                ctx[s].append(text)
+    assert len(ctx["none"]) == 5 and len(ctx["full_history"]) == 5 and len(ctx["topk_turns"]) == 5
+    assert len(ctx["topk_memories"]) == 5
+    assert "(Ann) Ann adopted a golden retriever" in ctx["topk_memories"][0]  # owner named, dated
+    assert "[1 May 2023]" in ctx["topk_memories"][0]
+    assert len(ctx["qumem"]) == 10  # qumem's Z_q and adamem's research notes both render as a state
+    assert sum("fact: Ann's dog is named Rex." in t for t in ctx["qumem"]) == 5
+    assert sum("fact: The research notes say the dog is Rex." in t for t in ctx["qumem"]) == 5
+    # qumem ran A1 -> A2 -> A3 and adamem its research loop, one batch per stage; AdaMem's working answer too
+    kinds = [r["body"]["messages"][0]["content"].split(".")[0] for r in requests]
+    assert sum("information-need agent" in k for k in kinds) == 5
+    assert sum("user-state inference agent" in k for k in kinds) == 5
+    assert sum("research agent" in k for k in kinds) == 5
+    # every LLM call is a ledger row, with the pipeline ledger's columns
+    ledger = [json.loads(x) for x in (tmp_path / "out" / "qa.ledger.jsonl").read_text().splitlines()]
+    assert len(ledger) == len(requests)
+    assert {"request_id", "type", "status", "prompt_tokens", "completion_tokens", "latency_s", "model",
+            "strategy", "fingerprint"} <= set(ledger[0])
+    assert {r["strategy"] for r in ledger} == set(QA_STRATEGIES)
+    assert report["llm_calls"]["ledger_rows"] == len(requests)
+    # checkpoint: one row per strategy and question
+    ck = [json.loads(x) for x in (tmp_path / "out" / "qa.checkpoint.jsonl").read_text().splitlines()]
+    assert len(ck) == 5 * len(QA_STRATEGIES) and len({(r["strategy"], r["key"]) for r in ck}) == len(ck)
+    # the HTML report is one self-contained file with inline SVG plots
+    html = (tmp_path / "out" / "qa.html").read_text()
+    assert html.count("<svg") >= 3 and "<script" not in html and "src=" not in html and "href=" not in html
+    assert json.loads((tmp_path / "out" / "qa.json").read_text())["qa"]["qumem"]["f1"] == report["qa"]["qumem"]["f1"]
+
+
+def test_full_history_skipped_when_over_the_context_window(toy, embedder, tmp_path):
+    d, path, _ = toy
+    with RunningFakeServer(_script(), tmp_path / "srv") as srv:
+        report = run_qa(str(path), out=tmp_path / "qa.json", strategies=["full_history", "none"], context_tokens=60,
+                        llm_backend=OpenAIBackend(base_url=srv.base_url, max_retries=0), embedder=embedder,
+                        log=lambda m: None)
+        assert len(_answer_requests(srv.requests())) == 5  # only 'none' was sent
+    assert report["skipped"]["full_history_over_context_window"]["questions"] == 5
+    assert report["qa"]["full_history"]["not_answered"] == 5 and report["qa"]["full_history"]["f1"] is None
+    # without memories the memory strategies are skipped with the reason, never silently empty
+    assert "strategy_qumem" not in report["skipped"]
+
+
+def test_memory_strategies_skipped_without_memories(toy, embedder, tmp_path):
+    _, path, _ = toy
+    with RunningFakeServer(_script(), tmp_path / "srv") as srv:
+        report = run_qa(str(path), out=tmp_path / "qa.json", strategies=["topk_memories", "qumem", "topk_turns"],
+                        llm_backend=OpenAIBackend(base_url=srv.base_url, max_retries=0), embedder=embedder,
+                        log=lambda m: None)
+    assert "--memories" in report["skipped"]["strategy_qumem"]
+    assert report["strategies"] == ["topk_turns"]
+
+
+def test_sample_per_category_is_seeded_and_bounded(toy, embedder, tmp_path):
+    from qumem_pipeline.eval.locomo.qa import load_questions, sample_questions
+
+    _, path, _ = toy
+    _, qs, _ = load_questions(str(path))
+    assert len(qs) == 5 and [q.key for q in qs] == [f"toy-1#{i}" for i in range(5)]
+    a = sample_questions(qs, 1, seed=3)
+    assert sorted(q.category for q in a) == [1, 2, 3, 4, 5]
+    # more questions than asked for: N per category, the same N for the same seed, in file order
+    from dataclasses import replace
+
+    many = [replace(q, key=f"{q.key}/{j}") for j in range(4) for q in qs]
+    b, c = sample_questions(many, 2, seed=7), sample_questions(many, 2, seed=7)
+    assert [q.key for q in b] == [q.key for q in c] and len(b) == 10
+    assert all(sum(1 for q in b if q.category == cat) == 2 for cat in range(1, 6))
+    assert [q.key for q in b] == [q.key for q in many if q.key in {x.key for x in b}]
+    assert [q.key for q in sample_questions(many, 2, seed=8)] != [q.key for q in b]
+    assert sample_questions(many, None) == many
+
+
+def test_interrupted_run_resumes_and_asks_only_for_the_rest(toy, embedder, tmp_path):
+    d, path, mem_dir = toy
+    out = tmp_path / "run" / "qa.json"
+    # first run: the server dies at qumem's first A3 call (after none/full_history/topk_* and qumem's A1, A2)
+    with RunningFakeServer(_script(crash_on_a3=True), tmp_path / "srv1") as srv1:
+        with pytest.raises(LLMError):
+            run_qa(str(path), out=out, memories=mem_dir, chunk=2, embedder=embedder, log=lambda m: None,
+                   llm_backend=OpenAIBackend(base_url=srv1.base_url, max_retries=0, timeout_s=10))
+        first = srv1.requests()
+    ck1 = [json.loads(x) for x in out.with_name("qa.checkpoint.jsonl").read_text().splitlines()]
+    assert {r["strategy"] for r in ck1} == {"none", "full_history", "topk_turns", "topk_memories"}
+    assert len(ck1) == 20
+    ledger1 = [json.loads(x) for x in out.with_name("qa.ledger.jsonl").read_text().splitlines()]
+    assert any(r["type"] == "information_needs" for r in ledger1 if r["status"] == "ok")
+
+    with RunningFakeServer(_script(), tmp_path / "srv2") as srv2:
+        report = run_qa(str(path), out=out, memories=mem_dir, chunk=2, embedder=embedder, log=lambda m: None,
+                        llm_backend=OpenAIBackend(base_url=srv2.base_url, max_retries=0, timeout_s=10))
+        second = srv2.requests()
+    # only qumem and adamem questions were answered in the second run; nothing answered before was asked again
+    def ident(r):
+        return (r["body"]["messages"][0]["content"], r["body"]["messages"][-1]["content"])
+
+    answered_first = {ident(r) for r in first if "json" in r["response"]}
+    assert not answered_first & {ident(r) for r in second}, "a call already answered in the first run was sent again"
+    assert len(_answer_requests(second)) == 10
+    a1_first = [r for r in first if "information-need agent" in r["body"]["messages"][0]["content"]]
+    a1_second = [r for r in second if "information-need agent" in r["body"]["messages"][0]["content"]]
+    assert len(a1_first) == 2 and len(a1_second) == 3  # the first chunk's A1 replayed from the ledger
+    assert report["llm_calls"]["replayed_this_run"] >= len(a1_first)
+    ck = [json.loads(x) for x in out.with_name("qa.checkpoint.jsonl").read_text().splitlines()]
+    assert len(ck) == 30 and len({(r["strategy"], r["key"]) for r in ck}) == 30
+    assert report["qa"]["qumem"]["f1"] == pytest.approx(F1, abs=1e-4)
+    assert report["qa"]["none"]["f1"] == 0.0 and report["qa"]["topk_turns"]["f1"] == pytest.approx(F1, abs=1e-4)
+
+
+def test_cli_qa_branch_prints_the_table_and_json(toy, embedder, tmp_path, monkeypatch):
+    from qumem_pipeline.cli import main as cli_main
+
+    _, path, _ = toy
+    with RunningFakeServer(_script(), tmp_path / "srv") as srv:
+        monkeypatch.setenv("QUMEM_LLM_BASE_URL", srv.base_url)
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            rc = cli_main(["eval", "locomo", str(path), "--qa", "--strategies", "none,topk_turns", "--llm-kind", "openai",
+                           "--out", str(tmp_path / "cli" / "qa.json"), "--sample-per-category", "1", "--json"])
+    assert rc == 0
+    out = buf.getvalue().strip().splitlines()
+    rep = json.loads(out[-1])
+    assert rep["qa"]["topk_turns"]["f1"] == pytest.approx(F1, abs=1e-4)
+    assert any(line.strip().startswith("topk_turns") for line in out[:-1])
+
+
+def test_decompose_builds_memories_once_and_a_rerun_reuses_them(toy, embedder, tmp_path):
+    _, path, _ = toy
+    script = _script()
+    script["rules"].insert(0, {"match": "You are a memory decomposer", "responses": [{"echo_memory": True}]})
+    out = tmp_path / "dec" / "qa.json"
+    with RunningFakeServer(script, tmp_path / "srv") as srv:
+        backend = OpenAIBackend(base_url=srv.base_url, max_retries=0)
+        report = run_qa(str(path), out=out, strategies=["topk_memories"], decompose=True, llm_backend=backend,
+                        embedder=embedder, log=lambda m: None)
+        first = srv.requests()
+    dec = [r for r in first if "memory decomposer" in r["body"]["messages"][0]["content"]]
+    assert dec and report["decomposition"]["users_decomposed"] == [ANN, BO]
+    assert report["qa"]["topk_memories"]["n"] == 4
+    assert (out.with_name("qa.memories") / "memories").is_dir()
+    ledger = [json.loads(x) for x in out.with_name("qa.ledger.jsonl").read_text().splitlines()]
+    assert sum(r["strategy"] == "decompose" for r in ledger) == len(dec)
+    # a new question set (another seed's sample) on the same out: memories reused, nothing decomposed again
+    ck = out.with_name("qa.checkpoint.jsonl")
+    ck.unlink()
+    with RunningFakeServer(script, tmp_path / "srv2") as srv2:
+        report2 = run_qa(str(path), out=out, strategies=["topk_memories"], decompose=True, embedder=embedder,
+                         llm_backend=OpenAIBackend(base_url=srv2.base_url, max_retries=0), log=lambda m: None)
+        again = srv2.requests()
+    assert not [r for r in again if "memory decomposer" in r["body"]["messages"][0]["content"]]
+    assert report2["decomposition"]["users_decomposed"] == []
+    assert report2["qa"]["topk_memories"]["f1"] == report["qa"]["topk_memories"]["f1"]
