@@ -6,6 +6,7 @@ the same home shows every run the CLI made.
 """
 
 import argparse
+import json
 import hashlib
 import os
 import shutil

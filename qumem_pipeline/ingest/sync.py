@@ -47,7 +47,7 @@ import polars as pl
 
 from qumem_pipeline.contracts.ids import valid_user_id_expr
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
-from qumem_pipeline.contracts.versions import CODE_VERSION
+from qumem_pipeline.contracts.stage_versions import stage_version
 from qumem_pipeline.ingest.archive import _EMPTY_FINGERPRINT, FINGERPRINT_SCHEMA, WRITER_THREADS, ArchiveConfig, UserRuns
 from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
 from qumem_pipeline.ingest.manifest import (
@@ -83,7 +83,7 @@ _KEEP = {KEEP_PREFIX + k: v for k, v in PROVENANCE.items()}
 
 def ingest_version(cfg: ArchiveConfig) -> str:
     """Rows ingested under other rules are re-ingested: the code version and the text limit."""
-    return f"{CODE_VERSION}:max_text={cfg.max_text_chars}"
+    return f"{stage_version('turns')}:max_text={cfg.max_text_chars}"
 
 
 @dataclass
@@ -316,7 +316,7 @@ class _Sync:
         fingerprints = pl.DataFrame(
             {"user_id": users, "fingerprint": [fps.get(u, _EMPTY_FINGERPRINT) for u in users],
              "n_turns": [n_t.get(u, 0) for u in users], "n_quarantined": [n_q.get(u, 0) for u in users],
-             "code_version": [CODE_VERSION] * len(users)},
+             "code_version": [stage_version("turns")] * len(users)},
             schema=FINGERPRINT_SCHEMA,
         )
         if self.before_commit is not None:  # blocking checks on the rows: a failure commits nothing of them
@@ -393,7 +393,7 @@ def _candidates_to_duplicates(d: pl.DataFrame) -> pl.DataFrame:
     return d.select(
         *RAW_COLUMNS, parsed_timestamp=pl.col("_ts"),
         **{k: pl.col(KEEP_PREFIX + k).cast(v) for k, v in _DUP_EXTRA.items()},
-        code_version=pl.lit(CODE_VERSION),
+        code_version=pl.lit(stage_version("turns")),
     ).select(_DUP_COLUMNS)
 
 

@@ -222,7 +222,7 @@ class QAQuestion:
 def load_questions(path: str, *, conversations: Sequence[str] | None = None, max_sessions: int | None = None,
                    limit_conversations: int | None = None):
     """(conversations, questions, info) through the harness's loaders (same slicing, same users)."""
-    from qumem_pipeline.eval.locomo.harness import _speaker_a_first, load_conversations, slice_locomo
+    from qumem_pipeline.eval.locomo.data import _speaker_a_first, load_conversations, slice_locomo
     from qumem_pipeline.ingest.importers.locomo import load_locomo_qa_with_stats
 
     slice_info = None
@@ -369,7 +369,7 @@ class ConversationContext:
         return out
 
     def queries(self, questions: Sequence[QAQuestion]):
-        from qumem_pipeline.query.strategies.qumem import Query
+        from qumem_pipeline.query.strategies.base import Query
 
         return [Query(q.key, self.conv.user_id, q.question, self.as_of) for q in questions]
 
@@ -378,7 +378,7 @@ class ConversationContext:
         from qumem_pipeline.index.embeddings import embed_memories
         from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
         from qumem_pipeline.query.retrieval import TypedMemoryRetriever
-        from qumem_pipeline.query.strategies.qumem import infer_user_states
+        from qumem_pipeline.query.strategies.registry import infer_user_states
 
         if self._qumem is None:
             mems = self.memories.with_columns(
@@ -392,7 +392,8 @@ class ConversationContext:
     def adamem_states(self, questions: Sequence[QAQuestion], llm) -> list[dict | None]:
         from qumem_pipeline.eval.locomo.adamem_units import session_episodes
         from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, UserBundle
-        from qumem_pipeline.query.strategies.adamem.strategy import AdaMemRetriever, infer_adamem_states
+        from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever
+        from qumem_pipeline.query.strategies.adamem.strategy import infer_adamem_states
 
         if self._adamem is None:
             mems = self.memories if self.memories is not None else pl.DataFrame(schema={
@@ -495,10 +496,12 @@ def _paths(out: str | os.PathLike) -> dict[str, Path]:
 
 
 def _existing_memory_users(root: Path) -> set[str]:
-    d = root / "memories"
-    if not d.is_dir():
+    """Users whose memories table is already written under `root` (the pipeline's table store)."""
+    from qumem_pipeline.storage.layout import DataLayout
+
+    if not (root / "memories").is_dir():
         return set()
-    return {p.parent.name.split("=", 1)[1] for p in d.glob("user_id=*/*.parquet") if not p.name.startswith(".tmp-")}
+    return set(DataLayout(root).users_in("memories"))
 
 
 def run_qa(
@@ -575,7 +578,8 @@ def run_qa(
         episodes_by_user = None
         want_mem = any(todo_of(s) for s in strategies if s in MEMORY_STRATEGIES or s == "adamem")
         if want_mem and (memories is not None or decompose):
-            from qumem_pipeline.eval.locomo.harness import build_episodes, decompose_memories, read_memories
+            from qumem_pipeline.eval.locomo.data import read_memories
+            from qumem_pipeline.eval.locomo.sources import build_episodes, decompose_memories
 
             if decompose:
                 mroot = Path(memories_out) if memories_out else paths["memories"]
