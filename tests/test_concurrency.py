@@ -87,9 +87,10 @@ def test_two_concurrent_ingest_runs_equal_a_single_run(tmp_path, archive):
     wh = _warehouse_rows(shared / "data" / "warehouse.duckdb")
     assert len(wh["turns"]) == 24 and len(set(wh["turns"])) == 24, "no duplicated rows"
     assert not [p for p in (shared / "data").rglob("*") if p.name.startswith(".tmp-")], "temp files left behind"
-    # the losing writer of each table retried on the new version: both runs' commits are in the log
+    # the archive sync is one at a time per data root: the run that syncs second finds the manifest
+    # current and writes no turns of its own (concurrent disjoint writers: tests/test_table_store.py)
     layout = DataLayout(shared / "data")
-    assert len(layout.store._open("turns").history()) >= 2
+    assert len(layout.store._open("turns").history()) >= 1
 
 
 HOLD = """

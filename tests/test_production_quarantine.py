@@ -42,8 +42,10 @@ def production(tmp_path, monkeypatch):
 
 
 def _quarantined(data_root) -> list[str]:
-    p = data_root / "quarantine" / "user_id=alice" / "part-0.parquet"
-    return sorted(pl.read_parquet(p)["field"].to_list()) if p.exists() else []
+    from qumem_pipeline.storage.layout import DataLayout
+
+    q = DataLayout(data_root).read_user_table("quarantine", "alice")
+    return sorted(q["field"].to_list()) if q is not None else []
 
 
 def test_production_quarantines_a_bad_row_and_carries_on(production):
@@ -52,7 +54,9 @@ def test_production_quarantines_a_bad_row_and_carries_on(production):
     assert defs.resources["pipeline"].strict is False
     assert result.success
     assert _quarantined(data_root) == ["role"]
-    assert pl.read_parquet(data_root / "turns" / "user_id=alice" / "part-0.parquet").height == 4
+    from qumem_pipeline.storage.layout import DataLayout
+
+    assert DataLayout(data_root).read_user_table("turns", "alice").height == 4
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks == {"schema_conforms": True, "quarantine_under_ceiling": True}
     assert {m.asset_key.to_user_string() for m in result.get_asset_materialization_events()} == {"turns", "warehouse"}

@@ -224,7 +224,8 @@ def build_user_indexes(embeddings: pl.DataFrame, user_id: str | None = None, *, 
 
 # ---------------------------------------------------------------------------------------- files
 
-INDEX_ROWS_SCHEMA = pl.Schema({"user_id": pl.String, "type": pl.String, "ntotal": pl.Int64, "faiss": pl.Binary})
+INDEX_ROWS_SCHEMA = pl.Schema({"user_id": pl.String, "type": pl.String, "ntotal": pl.Int64, "faiss": pl.Binary,
+                               "code_version": pl.String})
 
 
 def index_frame(ux: UserIndexes) -> pl.DataFrame:
@@ -232,7 +233,7 @@ def index_frame(ux: UserIndexes) -> pl.DataFrame:
     rows = []
     for t in MEMORY_TYPES:
         index = ux.by_type[t].index
-        rows.append((ux.user_id, t, int(index.ntotal), faiss.serialize_index(index).tobytes()))
+        rows.append((ux.user_id, t, int(index.ntotal), faiss.serialize_index(index).tobytes(), stage_version("memory_indexes")))
         fault_point("index.write")  # crash tests: indexes serialized, nothing committed yet
     return pl.DataFrame(rows, schema=INDEX_ROWS_SCHEMA, orient="row")
 
