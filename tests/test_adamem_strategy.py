@@ -148,3 +148,11 @@ def test_sufficient_evidence_stops_after_one_round(bundle, embedder):
 def test_adamem_needs_its_retriever():
     with pytest.raises(TypeError, match="AdaMemRetriever"):
         infer_user_states([Query("q1", "u", "x", 1)], ScriptedLLM({}), object(), strategy="adamem")
+
+
+def test_turn_units_carry_their_session_date(bundle):
+    turns = data.turns()
+    ts = dict(zip(turns["turn_index"].to_list(), turns["timestamp"].to_list()))
+    units = [u for u in bundle.units if u.kind == "turn"]
+    assert units and all(u.valid_from == ts[u.position] for u in units)
+    assert any(u.valid_from is not None for u in units)

@@ -280,3 +280,25 @@ def test_decompose_builds_memories_once_and_a_rerun_reuses_them(toy, embedder, t
     assert not [r for r in again if "memory decomposer" in r["body"]["messages"][0]["content"]]
     assert report2["decomposition"]["users_decomposed"] == []
     assert report2["qa"]["topk_memories"]["f1"] == report["qa"]["topk_memories"]["f1"]
+
+
+def test_answer_step_sees_the_dates_of_what_a_state_cites():
+    from datetime import datetime, timezone
+
+    from qumem_pipeline.eval.locomo.qa import render_state
+    from qumem_pipeline.query.strategies.base import RetrievedMemory, render_candidates
+
+    d1, d2 = datetime(2023, 1, 20, 16, 4, tzinfo=timezone.utc), datetime(2023, 5, 7, tzinfo=timezone.utc)
+    state = {"facts": [{"statement": "Jon lost his job yesterday", "memory_ids": ["m1"]},
+                       {"statement": "Jon opened a studio", "memory_ids": ["m1", "turn:9"]},
+                       {"statement": "undated", "memory_ids": ["m9"]}],
+             "preference_trajectory": [], "insights": [{"insight": "Jon is driven", "memory_ids": ["turn:9"]}]}
+    text = render_state(state, {"m1": d1, "turn:9": d2, "m9": None})
+    assert "- fact: Jon lost his job yesterday [stated 20 January 2023]" in text
+    assert "- fact: Jon opened a studio [stated 20 January 2023 to 7 May 2023]" in text
+    assert "- fact: undated\n" in text and "- insight: Jon is driven [stated 7 May 2023]" in text
+    assert "[stated" not in render_state(state)  # no dates given: the old rendering
+    cands = [RetrievedMemory("m1", "fact", "lost his job yesterday", 3, 0.9, [3], d1),
+             RetrievedMemory("m2", "fact", "no date", 4, 0.8, [4], None)]
+    assert render_candidates(cands).splitlines()[1:] == [
+        "M1 [fact, stated 20 January 2023]: lost his job yesterday", "M2 [fact, turn 4]: no date"]

@@ -10,11 +10,18 @@ Compact JSON is a *server* setting: vLLM (0.32) ignores a request's
 `--structured-outputs-config`, where it is valid only with an explicit xgrammar/guidance backend.
 Without it, small models (SmolLM2-135M) fill free JSON whitespace with endless newlines until
 max_tokens. So the server is started with `{"backend": "xgrammar", "disable_any_whitespace": true}`
-unless `compact_json=False` or `extra_args` already carry a `--structured-outputs-config`.
+when the model's profile asks for it (`model_profiles.py`: on for SmolLM2 and unknown models, off for
+Qwen2.5, which returns empty JSON with it), unless `compact_json=` says otherwise or `extra_args`
+already carry a `--structured-outputs-config`.
+
+`extra_args` and `max_model_len` default to `$QUMEM_VLLM_EXTRA_ARGS` (shell-split, e.g.
+`--enforce-eager`, which skips ~4 min of compile per start on CPU) and `$QUMEM_VLLM_MAX_MODEL_LEN`,
+so every caller (the Dagster resource, the eval harness) starts the same server.
 """
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from qumem_pipeline.llm.model_profiles import profile_for
 from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMError, OnResult
 from qumem_pipeline.llm.openai_backend import OpenAIBackend
 
@@ -58,13 +66,13 @@ class VLLMManagedBackend(BackendBase):
         host: str = "127.0.0.1",
         port: int | None = None,
         served_model_name: str | None = None,
-        extra_args: Sequence[str] = (),
+        extra_args: Sequence[str] | None = None,
         env: dict[str, str] | None = None,
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = 900.0,
         seed: int = 0,
         max_model_len: int | None = None,
-        compact_json: bool = True,
+        compact_json: bool | None = None,
         structured_outputs_backend: str = "xgrammar",
         **openai_config: Any,
     ) -> None:
@@ -84,12 +92,21 @@ class VLLMManagedBackend(BackendBase):
             "--seed", str(seed),
             "--enable-prompt-tokens-details",
         ]
+        if max_model_len is None and os.environ.get("QUMEM_VLLM_MAX_MODEL_LEN"):
+            max_model_len = int(os.environ["QUMEM_VLLM_MAX_MODEL_LEN"])
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
+        if extra_args is None:
+            extra_args = shlex.split(os.environ.get("QUMEM_VLLM_EXTRA_ARGS", ""))
         extra = list(extra_args)
-        if compact_json and not any(a.split("=", 1)[0].startswith("--structured-outputs-config") for a in extra):
+        self.profile = profile_for(str(model))
+        if compact_json is None:
+            compact_json = self.profile.compact_json
+        self.compact_json = compact_json
+        if not any(a.split("=", 1)[0].startswith("--structured-outputs-config") for a in extra):
+            # explicit either way, so the grammar backend does not depend on vLLM's "auto" choice
             cmd += ["--structured-outputs-config",
-                    json.dumps({"backend": structured_outputs_backend, "disable_any_whitespace": True})]
+                    json.dumps({"backend": structured_outputs_backend, "disable_any_whitespace": bool(compact_json)})]
         cmd += extra
         self.cmd = cmd
         child_env = dict(os.environ)
@@ -106,6 +123,7 @@ class VLLMManagedBackend(BackendBase):
             self.close()
             raise
         openai_config.setdefault("timeout_env_kind", "vllm-managed")  # QUMEM_LLM_VLLM_MANAGED_TIMEOUT_S & co.
+        openai_config.setdefault("compact_json", compact_json)  # the per-request field mirrors the server's
         self._client = OpenAIBackend(base_url=self.base_url, model=self.served_model_name, seed=seed, **openai_config)
         self.model_name = self.served_model_name
 

@@ -55,14 +55,21 @@ def _speaker_a_first(convs: list[Conversation], qa: list[dict]) -> None:
 
 
 def read_memories(path: str | os.PathLike) -> pl.DataFrame:
-    """A memories table: one Parquet file, a table directory (user_id=*/part-0.parquet) or a data root."""
+    """A memories table: one Parquet file, a Parquet table directory, a Delta table or a data root."""
     p = Path(path)
     if p.is_dir() and (p / "memories").is_dir():
         p = p / "memories"
-    files = [p] if p.is_file() else sorted(x for x in p.rglob("*.parquet") if not x.name.startswith(".tmp-"))
-    if not files:
-        raise FileNotFoundError(f"no Parquet files under {path}")
-    df = pl.read_parquet(files, hive_partitioning=False)
+    if (p / "_delta_log").is_dir():  # the pipeline's table store: its active version, never old files
+        from qumem_pipeline.storage.layout import DataLayout
+
+        df = DataLayout(p.parent).read_table("memories")
+        if df is None or df.height == 0:
+            raise FileNotFoundError(f"no memories in the table store under {path}")
+    else:
+        files = [p] if p.is_file() else sorted(x for x in p.rglob("*.parquet") if not x.name.startswith(".tmp-"))
+        if not files:
+            raise FileNotFoundError(f"no Parquet files under {path}")
+        df = pl.read_parquet(files, hive_partitioning=False)
     missing = {"user_id", "content", "evidence_turn_ids"} - set(df.columns)
     if missing:
         raise ValueError(f"{path}: not a memories table (missing {sorted(missing)})")

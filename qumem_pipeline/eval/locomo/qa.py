@@ -82,8 +82,12 @@ ANSWER_INSTRUCTION = (
 )
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 200}},
                  "required": ["answer"], "additionalProperties": False}
-ANSWER_PROMPT_VERSION = "locomo-qa-v1-" + hashlib.sha256(
-    json.dumps([ANSWER_SYSTEM, ANSWER_INSTRUCTION, ANSWER_SCHEMA, ANSWER_MAX_TOKENS], sort_keys=True).encode()).hexdigest()[:10]
+# How contexts are rendered is part of what an answer depends on, so it is in the version (a checkpoint
+# row answered from an older rendering is answered again; the ledger still replays identical calls).
+CONTEXT_FORMAT = "v2: state items carry the dates of what they cite; candidates and turns carry session dates"
+ANSWER_PROMPT_VERSION = "locomo-qa-v2-" + hashlib.sha256(
+    json.dumps([ANSWER_SYSTEM, ANSWER_INSTRUCTION, ANSWER_SCHEMA, ANSWER_MAX_TOKENS, CONTEXT_FORMAT],
+               sort_keys=True).encode()).hexdigest()[:10]
 
 
 def answer_messages(context: str, question: str) -> list[dict]:
@@ -309,6 +313,13 @@ class ConversationContext:
                                                     "valid_from": pl.Datetime("us", "UTC")}).unique(
             "memory_id", keep="first", maintain_order=True)
 
+    def unit_dates(self) -> dict:
+        """Session timestamp of every unit a state can cite: memories (their last evidence turn) and turns."""
+        out = {f"turn:{t}": ts for t, ts in zip(self.turn_index, self.ts)}
+        if self.memories is not None:
+            out.update(zip(self.memories["memory_id"].to_list(), self.memories["valid_from"].to_list()))
+        return out
+
     # -- contexts (text shown to the answer step)
     def full_history(self) -> str:
         out = ["Conversation, session by session; each session starts with its date."]
@@ -409,18 +420,29 @@ class ConversationContext:
         return [by_id.get(q.key) for q in questions]
 
 
-def render_state(state: dict | None) -> str:
-    """Z_q (or AdaMem's research notes) as the answer step's context; citations are ids, so they are left out."""
+def _cited_dates(item: dict, dates: dict | None) -> str:
+    """' [stated 7 May 2023]' (or a range) from the dates of the units an item cites, '' without any."""
+    got = sorted({dates[m] for m in item.get("memory_ids") or [] if dates and dates.get(m) is not None})
+    if not got:
+        return ""
+    span = _date(got[0]) if len(got) == 1 or _date(got[0]) == _date(got[-1]) else f"{_date(got[0])} to {_date(got[-1])}"
+    return f" [stated {span}]"
+
+
+def render_state(state: dict | None, dates: dict | None = None) -> str:
+    """Z_q (or AdaMem's research notes) as the answer step's context. Citations are ids, so they are
+    left out, but the dates of what each item cites (``dates``: unit id -> session timestamp) are shown:
+    a statement like "lost his job yesterday" is answerable only with the day it was said."""
     if state is None:
         return "Inferred state: (none: the state inference gave no usable output)"
     lines = ["Inferred state of the conversation's speakers, relevant to the question:"]
     for f in state.get("facts") or []:
-        lines.append(f"- fact: {f.get('statement', '')}")
+        lines.append(f"- fact: {f.get('statement', '')}{_cited_dates(f, dates)}")
     for p in state.get("preference_trajectory") or []:
         lines.append(f"- preference ({p.get('aspect', '')}): earlier {p.get('earlier', '')}; now {p.get('current', '')}"
-                     f" ({p.get('applies_now_because', '')})")
+                     f" ({p.get('applies_now_because', '')}){_cited_dates(p, dates)}")
     for i in state.get("insights") or []:
-        lines.append(f"- insight: {i.get('insight', '')}")
+        lines.append(f"- insight: {i.get('insight', '')}{_cited_dates(i, dates)}")
     if len(lines) == 1:
         lines.append("- (nothing relevant found)")
     return "\n".join(lines)
@@ -734,7 +756,7 @@ def _contexts(s: str, cx: ConversationContext, part: list[QAQuestion], llm, word
         got = cx.topk_turns(qv, words) if s == "topk_turns" else cx.topk_memories(qv, words)
         return [g[0] for g in got], [{"context_words": g[1]} for g in got]
     states = cx.qumem_states(part, llm) if s == "qumem" else cx.adamem_states(part, llm)
-    texts = [render_state(st) for st in states]
+    texts = [render_state(st, cx.unit_dates()) for st in states]
     return texts, [{"context_words": len(t.split()), "state_ok": st is not None} for t, st in zip(texts, states)]
 
 

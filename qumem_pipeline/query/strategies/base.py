@@ -173,12 +173,18 @@ def user_message(q: Query, extra: str) -> str:
     return f"Current query: {q.query}{ctx}\n\n{extra}"
 
 
+def human_date(ts: datetime) -> str:
+    """A date as LoCoMo's answers write it ("7 May 2023"): day, month name, year."""
+    return f"{ts.day} {ts:%B %Y}"
+
+
 def render_candidates(cands: list[RetrievedMemory]) -> str:
     if not cands:
         return "Retrieved memories: (none)"
     lines = []
     for i, c in enumerate(cands, start=1):
-        when = f", stated {c.valid_from:%Y-%m-%d}" if c.valid_from else f", turn {c.position}"
+        # the session date in words ("20 January 2023"), so "yesterday" in a memory or turn can be resolved
+        when = f", stated {human_date(c.valid_from)}" if c.valid_from else f", turn {c.position}"
         lines.append(f"M{i} [{c.type}{when}]: {c.content}")
     return "Retrieved memories (oldest first):\n" + "\n".join(lines)
 

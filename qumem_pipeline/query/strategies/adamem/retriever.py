@@ -85,9 +85,10 @@ class UserBundle:
             nodes, edges = build_memory_graph(user_id, turns, episodes, memories, profiles)
         graph = MemoryGraph(nodes, edges)
         units: list[Unit] = []
-        for ti, sp, text in zip(turns["turn_index"].to_list(), turns["speaker"].to_list(), turns["text"].to_list()):
-            n = graph.nodes[turn_node(ti)]
-            units.append(Unit(turn_node(ti), turn_node(ti), "turn", f"{sp}: {text}" if sp else text, ti, n["owner"], [ti]))
+        stamps = turns["timestamp"].to_list() if "timestamp" in turns.columns else [None] * turns.height
+        for ti, sp, text, ts in zip(turns["turn_index"].to_list(), turns["speaker"].to_list(), turns["text"].to_list(), stamps):
+            n = graph.nodes[turn_node(ti)]  # a turn carries its date, so relative dates in it can be resolved
+            units.append(Unit(turn_node(ti), turn_node(ti), "turn", f"{sp}: {text}" if sp else text, ti, n["owner"], [ti], ts))
         for r in memories.iter_rows(named=True):
             n = graph.nodes[memory_node(r["memory_id"])]
             units.append(Unit(r["memory_id"], n["node_id"], r["type"], r["content"], r["position"], n["owner"],

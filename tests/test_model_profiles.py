@@ -1,0 +1,63 @@
+"""Per-model serving settings (issue 18.4): compact JSON on for SmolLM2 / unknown, off for Qwen2.5."""
+
+import json
+import sys
+
+import pytest
+
+from qumem_pipeline.llm.factory import make_backend
+from qumem_pipeline.llm.model_profiles import DEFAULT_PROFILE, profile_for
+from qumem_pipeline.llm.vllm_managed import VLLMStartError
+
+
+@pytest.mark.parametrize("model, family, compact", [
+    ("/x/.cache/models/Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder", False),
+    ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5", False),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2", True),
+    ("m", "default", True),
+])
+def test_profile_by_name(model, family, compact):
+    prof = profile_for(model, env={})
+    assert (prof.family, prof.compact_json) == (family, compact)
+
+
+def test_profile_from_config_json_of_a_renamed_dir(tmp_path):
+    d = tmp_path / "eval-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}))
+    assert profile_for(str(d), env={}).family == "qwen2.5-coder"
+    (d / "config.json").write_text("{not json")
+    assert profile_for(str(d), env={}) == DEFAULT_PROFILE
+
+
+def test_env_overrides_the_table_and_rejects_garbage():
+    assert profile_for("Qwen2.5-Coder-1.5B-Instruct", env={"QUMEM_VLLM_COMPACT_JSON": "1"}).compact_json is True
+    assert profile_for("SmolLM2-135M", env={"QUMEM_VLLM_COMPACT_JSON": "off"}).compact_json is False
+    with pytest.raises(ValueError, match="QUMEM_VLLM_COMPACT_JSON"):
+        profile_for("m", env={"QUMEM_VLLM_COMPACT_JSON": "maybe"})
+
+
+def _cmd(tmp_path, monkeypatch, model, **env):
+    """The server command vllm-managed would run (this venv has no vllm: the child exits, the error names it)."""
+    for k in ("QUMEM_VLLM_COMPACT_JSON", "QUMEM_VLLM_EXTRA_ARGS", "QUMEM_VLLM_MAX_MODEL_LEN"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(VLLMStartError) as err:
+        make_backend("vllm-managed", model=model, python=sys.executable, log_path=tmp_path / "v.log", startup_timeout_s=30)
+    return str(err.value)
+
+
+def test_vllm_managed_serves_qwen_without_compact_json(tmp_path, monkeypatch):
+    msg = _cmd(tmp_path, monkeypatch, "/m/Qwen2.5-Coder-1.5B-Instruct")
+    assert '"disable_any_whitespace": false' in msg and '"backend": "xgrammar"' in msg
+    msg = _cmd(tmp_path, monkeypatch, "/m/SmolLM2-135M-Instruct")
+    assert '"disable_any_whitespace": true' in msg
+
+
+def test_vllm_managed_reads_extra_args_and_max_len_from_env(tmp_path, monkeypatch):
+    msg = _cmd(tmp_path, monkeypatch, "/m/Qwen2.5-Coder-1.5B-Instruct",
+               QUMEM_VLLM_EXTRA_ARGS="--enforce-eager --structured-outputs-config '{\"backend\": \"guidance\"}'",
+               QUMEM_VLLM_MAX_MODEL_LEN="4096")
+    assert "--enforce-eager" in msg and "--max-model-len 4096" in msg
+    assert msg.count("--structured-outputs-config") == 1 and "guidance" in msg
