@@ -102,7 +102,8 @@ def _tables(layout: DataLayout) -> dict[str, list]:
         df = layout.read_table(t)
         if df is None:
             continue
-        df = df.drop([c for c in df.columns if c in ("created_at", "latency_s", "ledger", "source_file")])
+        # volatile or checkout-specific columns (the archive's absolute path differs between the two runs)
+        df = df.drop([c for c in df.columns if c in ("created_at", "latency_s", "ledger", "source_file", "path", "mtime_ns")])
         out[t] = sorted(map(repr, df.rows()))
     return out
 
