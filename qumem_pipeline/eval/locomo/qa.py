@@ -44,7 +44,6 @@ import os
 import random
 import shlex
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -226,18 +225,12 @@ class QAQuestion:
 def load_questions(path: str, *, conversations: Sequence[str] | None = None, max_sessions: int | None = None,
                    limit_conversations: int | None = None):
     """(conversations, questions, info) through the harness's loaders (same slicing, same users)."""
-    from qumem_pipeline.eval.locomo.data import _speaker_a_first, load_conversations, slice_locomo
-    from qumem_pipeline.ingest.importers.locomo import load_locomo_qa_with_stats
+    from qumem_pipeline.eval.locomo.data import load_dataset
 
-    slice_info = None
-    with tempfile.TemporaryDirectory(prefix="locomo-qa-slice-") as tmp:
-        data_path = str(path)
-        if conversations or max_sessions is not None:
-            sliced, slice_info = slice_locomo(path, tmp, conversations, max_sessions)
-            data_path = str(sliced)
-        convs, load_info = load_conversations(data_path, limit_conversations)
-        qa_all, qa_stats = load_locomo_qa_with_stats(data_path)
-    _speaker_a_first(convs, qa_all)
+    data = load_dataset(path, conversations=conversations, max_sessions=max_sessions,
+                        limit_conversations=limit_conversations)
+    convs, qa_all, qa_stats, slice_info, load_info = (data.conversations, data.qa, data.qa_stats, data.slice_info,
+                                                       data.load_info)
     keep = {c.sample_id for c in convs}
     seen: dict[str, int] = defaultdict(int)
     questions = []
