@@ -9,13 +9,11 @@ turn ids) come first and are byte-identical across the three calls; the type-spe
 comes last, so a prefix cache (vLLM's, on by default) prefills an episode once for three calls.
 The whole run's episodes (all users) go to the backend as one continuous stream of calls.
 
-Nothing here imports Dagster; the memories asset calls `decompose_episodes`.
+The prompts and schemas live in `memories.prompts`, output validation in `memories.parsing`; this
+module runs the calls and re-exports both. Nothing here imports Dagster; the memories asset calls
+`decompose_episodes`.
 """
 
-import hashlib
-import json
-import re
-import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -26,340 +24,36 @@ import polars as pl
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError, generate_each
 from qumem_pipeline.contracts.stage_versions import stage_version
-
-MEMORY_TYPES = ("fact", "preference", "insight")
-
-SYSTEM_PROMPT = (
-    "You are a memory decomposer for a personal assistant. You read one episode of a conversation "
-    "between a user and an assistant and extract atomic memories about the user. Each memory states "
-    "exactly one independently retrievable item of user information in one short self-contained "
-    "sentence that names the user (e.g. 'The user ...' or the speaker's name), and lists the ids of the "
-    "turns that support it. Use only information stated or directly shown in the episode; never invent "
-    "details. If there is nothing of the requested type, return an empty list. Answer with JSON only."
+# Re-exported: callers (assets, query strategies, tests, benches) import these from here.
+from qumem_pipeline.memories.parsing import (  # noqa: F401
+    DECOMPOSE_QUARANTINE_SCHEMA,
+    LEDGER_SCHEMA,
+    MEMORY_SCHEMA,
+    DecomposeStats,
+    memories_from_output,
+    memory_id,
+    normalize_content,
 )
-
-# The paper's definitions (QUMem §3.3), one instruction per memory type; each goes last in the prompt.
-TYPE_INSTRUCTIONS = {
-    "fact": (
-        "Task: extract FACTUAL memories. Factual memories record concrete user experiences, behaviors, "
-        "activities, states, or events, without inferring broader tendencies."
-    ),
-    "preference": (
-        "Task: extract PREFERENCE memories. Preference memories record the user's choices, tendencies, "
-        "requirements, and constraints concerning specific objects or contexts, together with directly "
-        "associated rationales."
-    ),
-    "insight": (
-        "Task: extract TRANSFERABLE INSIGHT memories. Transferable insights abstract user-specific decision "
-        "principles from concrete choices, feedback, and their rationales; they can be applied to new "
-        "objects or contexts but must stay grounded in the episode's evidence."
-    ),
-}
-OUTPUT_INSTRUCTION = (
-    'Return {"memories": [{"content": "...", "evidence_turn_ids": [turn ids]}]}, citing turn ids '
-    "exactly as numbered in the transcript."
+from qumem_pipeline.memories.prompts import (  # noqa: F401
+    MAX_CONTENT_CHARS,
+    MAX_EVIDENCE_IDS,
+    MAX_MEMORIES_PER_CALL,
+    MAX_TURN_ID,
+    MEMORY_TYPES,
+    OUTPUT_INSTRUCTION,
+    PROMPT_VERSION,
+    SYSTEM_PROMPT,
+    TYPE_INSTRUCTIONS,
+    Episode,
+    Turn,
+    _request_id,
+    build_messages,
+    build_requests,
+    coerce_episode,
+    memory_schema,
+    render_transcript,
+    shared_prefix_text,
 )
-
-MAX_MEMORIES_PER_CALL = 12
-MAX_CONTENT_CHARS = 300
-MAX_EVIDENCE_IDS = 8
-MAX_TURN_ID = 2**31 - 1
-
-
-def memory_schema(turn_ids: Sequence[int] | None = None) -> dict[str, Any]:
-    """The JSON schema of every decomposer call's output (identical for the three types).
-
-    Without arguments: the schema output is validated against. With the episode's `turn_ids`: the
-    tighter schema decoding is constrained to (`ChatRequest.constraint_schema`): evidence ids
-    bounded to the episode's range, at most one memory per turn and one evidence id per turn, so a schema-constrained backend can only cite that episode's
-    turns (unbounded, SmolLM2 through vLLM cites turn 1 of a [4..6] episode and every memory is
-    dropped). Validation stays unbounded: from a server that ignores the constraint, ids outside
-    the episode (or in gaps of a non-contiguous one) are dropped and counted, not quarantined.
-    """
-    lo, hi = (min(turn_ids), max(turn_ids)) if turn_ids else (0, MAX_TURN_ID)
-    # bounded: at most one memory per turn and every turn cited once (no runaway repeated items)
-    n_mem = min(MAX_MEMORIES_PER_CALL, max(1, len(set(turn_ids)))) if turn_ids else MAX_MEMORIES_PER_CALL
-    n_ev = min(MAX_EVIDENCE_IDS, len(set(turn_ids))) if turn_ids else MAX_EVIDENCE_IDS
-    return {
-        "type": "object",
-        "properties": {
-            "memories": {
-                "type": "array",
-                "maxItems": n_mem,
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "content": {"type": "string", "minLength": 1, "maxLength": MAX_CONTENT_CHARS},
-                        "evidence_turn_ids": {
-                            "type": "array",
-                            "minItems": 1,
-                            "maxItems": n_ev,
-                            "items": {"type": "integer", "minimum": lo, "maximum": hi},
-                        },
-                    },
-                    "required": ["content", "evidence_turn_ids"],
-                    "additionalProperties": False,
-                },
-            }
-        },
-        "required": ["memories"],
-        "additionalProperties": False,
-    }
-
-
-def _prompt_fingerprint() -> str:
-    blob = json.dumps(
-        {"system": SYSTEM_PROMPT, "types": TYPE_INSTRUCTIONS, "out": OUTPUT_INSTRUCTION, "schema": memory_schema(),
-         "decoding_bounds": "episode-range, max items per turn"},
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
-
-
-PROMPT_VERSION = f"decompose-v1-{_prompt_fingerprint()}"
-
-# -- output tables ----------------------------------------------------------------------------
-MEMORY_SCHEMA = pl.Schema(
-    {
-        "memory_id": pl.String,
-        "user_id": pl.String,
-        "type": pl.String,
-        "content": pl.String,
-        "episode_id": pl.String,
-        "evidence_turn_ids": pl.List(pl.Int64),
-        "position": pl.Int64,
-        "valid_from": pl.Datetime("us", "UTC"),
-        "model": pl.String,
-        "prompt_version": pl.String,
-        "code_version": pl.String,
-        "created_at": pl.Datetime("us", "UTC"),
-    }
-)
-
-DECOMPOSE_QUARANTINE_SCHEMA = pl.Schema(
-    {
-        "user_id": pl.String,
-        "episode_id": pl.String,
-        "type": pl.String,
-        "request_id": pl.String,
-        "reason": pl.String,
-        "raw": pl.String,
-        "attempts": pl.Int64,
-        "model": pl.String,
-        "prompt_version": pl.String,
-        "code_version": pl.String,
-        "created_at": pl.Datetime("us", "UTC"),
-    }
-)
-
-LEDGER_SCHEMA = pl.Schema(
-    {
-        "request_id": pl.String,
-        "user_id": pl.String,
-        "episode_id": pl.String,
-        "type": pl.String,
-        "attempt": pl.Int64,  # 1 = first call, 2 = the retry after bad output
-        "status": pl.String,  # ok | retried | quarantined
-        "episode_turns": pl.Int64,
-        "prompt_tokens": pl.Int64,
-        "completion_tokens": pl.Int64,
-        "cached_tokens": pl.Int64,  # as reported by the server; null when it reports none
-        "shared_prefix_tokens": pl.Int64,  # prompt tokens shared by the episode's three calls
-        "latency_s": pl.Float64,
-        "transport_attempts": pl.Int64,
-        "backend": pl.String,
-        "model": pl.String,
-        "prompt_version": pl.String,
-        "code_version": pl.String,
-        "created_at": pl.Datetime("us", "UTC"),
-    }
-)
-
-
-# -- input contract ---------------------------------------------------------------------------
-@dataclass
-class Turn:
-    turn_index: int
-    role: str
-    text: str
-    speaker: str | None = None
-    timestamp: datetime | None = None
-
-
-@dataclass
-class Episode:
-    user_id: str
-    episode_id: str
-    turns: list[Turn] = field(default_factory=list)
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
-def coerce_episode(obj: Any) -> Episode:
-    """Accept an Episode, a dict, or any object with user_id / episode_id / turns."""
-    if isinstance(obj, Episode):
-        return obj
-    turns = []
-    for t in _get(obj, "turns") or []:
-        ts = _get(t, "timestamp")
-        if isinstance(ts, datetime) and ts.tzinfo is None:
-            ts = ts.replace(tzinfo=timezone.utc)
-        turns.append(
-            Turn(
-                turn_index=int(_get(t, "turn_index")),
-                role=str(_get(t, "role") or "user"),
-                text=str(_get(t, "text") or ""),
-                speaker=_get(t, "speaker"),
-                timestamp=ts if isinstance(ts, datetime) else None,
-            )
-        )
-    turns.sort(key=lambda t: t.turn_index)
-    return Episode(user_id=str(_get(obj, "user_id")), episode_id=str(_get(obj, "episode_id")), turns=turns)
-
-
-# -- prompts ----------------------------------------------------------------------------------
-def render_transcript(episode: Episode) -> str:
-    lines = []
-    for t in episode.turns:
-        who = f"{t.speaker} ({t.role})" if t.speaker else t.role
-        text = " ".join(t.text.split())
-        lines.append(f"[{t.turn_index}] {who}: {text}")
-    first = next((t.timestamp for t in episode.turns if t.timestamp), None)
-    header = "Transcript"
-    if first is not None:
-        header += f" (started {first.strftime('%Y-%m-%d %H:%M')} UTC)"
-    return header + ":\n" + "\n".join(lines)
-
-
-def shared_prefix_text(episode: Episode) -> str:
-    """The user-message text shared by the three calls (everything before the type instruction)."""
-    return render_transcript(episode) + "\n\n"
-
-
-def build_messages(episode: Episode, mem_type: str) -> list[dict[str, str]]:
-    user = shared_prefix_text(episode) + TYPE_INSTRUCTIONS[mem_type] + "\n" + OUTPUT_INSTRUCTION
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
-
-
-def _request_id(ep: Episode, mem_type: str, attempt: int) -> str:
-    return f"{ep.user_id}/{ep.episode_id}/{mem_type}/a{attempt}"
-
-
-def build_requests(
-    episodes: Iterable[Any], max_tokens: int = 512, types: Sequence[str] = MEMORY_TYPES
-) -> list[ChatRequest]:
-    """One request per (episode, type); an episode's three requests are adjacent."""
-    schema = memory_schema()  # what output is validated against; ids outside the episode are dropped later
-    reqs = []
-    for raw in episodes:
-        ep = coerce_episode(raw)
-        bounded = memory_schema([t.turn_index for t in ep.turns])
-        for t in types:
-            reqs.append(
-                ChatRequest(
-                    request_id=_request_id(ep, t, 1),
-                    messages=build_messages(ep, t),
-                    json_schema=schema,
-                    constraint_schema=bounded,
-                    max_tokens=max_tokens,
-                    schema_name=f"{t}_memories",
-                    metadata={"user_id": ep.user_id, "episode_id": ep.episode_id, "type": t, "attempt": 1},
-                )
-            )
-    return reqs
-
-
-# -- memory rows ------------------------------------------------------------------------------
-_WS = re.compile(r"\s+")
-
-
-def normalize_content(text: str) -> str:
-    t = unicodedata.normalize("NFKC", text).casefold()
-    t = _WS.sub(" ", t).strip()
-    return t.rstrip(" .!;,")
-
-
-def memory_id(user_id: str, episode_id: str, mem_type: str, content: str) -> str:
-    key = "\x1f".join([user_id, episode_id, mem_type, normalize_content(content)])
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
-
-
-@dataclass
-class DecomposeStats:
-    episodes: int = 0
-    turns: int = 0
-    calls: int = 0
-    retries: int = 0
-    quarantined: int = 0
-    memories: int = 0
-    duplicates_collapsed: int = 0
-    evidence_ids_dropped: int = 0
-    memories_dropped_no_evidence: int = 0
-    memories_dropped_empty: int = 0
-    reused_calls: int = 0  # ledger rows restored from a checkpoint instead of sent again
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-def memories_from_output(
-    ep: Episode,
-    mem_type: str,
-    parsed: dict[str, Any],
-    stats: DecomposeStats,
-    *,
-    model: str,
-    prompt_version: str,
-    code_version: str,
-    created_at: datetime,
-) -> list[dict[str, Any]]:
-    by_index = {t.turn_index: t for t in ep.turns}
-    merged: dict[str, dict[str, Any]] = {}
-    for item in parsed.get("memories") or []:
-        content = " ".join(str(item.get("content") or "").split())
-        if not normalize_content(content):
-            stats.memories_dropped_empty += 1
-            continue
-        ids = []
-        for raw_id in item.get("evidence_turn_ids") or []:
-            if isinstance(raw_id, int) and not isinstance(raw_id, bool) and raw_id in by_index:
-                ids.append(raw_id)
-            else:
-                stats.evidence_ids_dropped += 1
-        if not ids:
-            stats.memories_dropped_no_evidence += 1
-            continue
-        mid = memory_id(ep.user_id, ep.episode_id, mem_type, content)
-        if mid in merged:
-            stats.duplicates_collapsed += 1
-            merged[mid]["evidence_turn_ids"] = sorted(set(merged[mid]["evidence_turn_ids"]) | set(ids))
-            continue
-        merged[mid] = {"memory_id": mid, "content": content, "evidence_turn_ids": sorted(set(ids))}
-    rows = []
-    for m in merged.values():
-        position = max(m["evidence_turn_ids"])
-        ts = by_index[position].timestamp
-        rows.append(
-            {
-                "memory_id": m["memory_id"],
-                "user_id": ep.user_id,
-                "type": mem_type,
-                "content": m["content"],
-                "episode_id": ep.episode_id,
-                "evidence_turn_ids": m["evidence_turn_ids"],
-                "position": position,
-                "valid_from": ts,
-                "model": model,
-                "prompt_version": prompt_version,
-                "code_version": code_version,
-                "created_at": created_at,
-            }
-        )
-    return rows
 
 
 # -- the run ----------------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""Validation of decomposer output into memory rows, and the output tables' schemas, apart from the call loop."""
+
+import hashlib
+import re
+import unicodedata
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import polars as pl
+
+from qumem_pipeline.memories.prompts import Episode
+
+# -- output tables ----------------------------------------------------------------------------
+MEMORY_SCHEMA = pl.Schema(
+    {
+        "memory_id": pl.String,
+        "user_id": pl.String,
+        "type": pl.String,
+        "content": pl.String,
+        "episode_id": pl.String,
+        "evidence_turn_ids": pl.List(pl.Int64),
+        "position": pl.Int64,
+        "valid_from": pl.Datetime("us", "UTC"),
+        "model": pl.String,
+        "prompt_version": pl.String,
+        "code_version": pl.String,
+        "created_at": pl.Datetime("us", "UTC"),
+    }
+)
+
+DECOMPOSE_QUARANTINE_SCHEMA = pl.Schema(
+    {
+        "user_id": pl.String,
+        "episode_id": pl.String,
+        "type": pl.String,
+        "request_id": pl.String,
+        "reason": pl.String,
+        "raw": pl.String,
+        "attempts": pl.Int64,
+        "model": pl.String,
+        "prompt_version": pl.String,
+        "code_version": pl.String,
+        "created_at": pl.Datetime("us", "UTC"),
+    }
+)
+
+LEDGER_SCHEMA = pl.Schema(
+    {
+        "request_id": pl.String,
+        "user_id": pl.String,
+        "episode_id": pl.String,
+        "type": pl.String,
+        "attempt": pl.Int64,  # 1 = first call, 2 = the retry after bad output
+        "status": pl.String,  # ok | retried | quarantined
+        "episode_turns": pl.Int64,
+        "prompt_tokens": pl.Int64,
+        "completion_tokens": pl.Int64,
+        "cached_tokens": pl.Int64,  # as reported by the server; null when it reports none
+        "shared_prefix_tokens": pl.Int64,  # prompt tokens shared by the episode's three calls
+        "latency_s": pl.Float64,
+        "transport_attempts": pl.Int64,
+        "backend": pl.String,
+        "model": pl.String,
+        "prompt_version": pl.String,
+        "code_version": pl.String,
+        "created_at": pl.Datetime("us", "UTC"),
+    }
+)
+
+
+# -- memory rows ------------------------------------------------------------------------------
+_WS = re.compile(r"\s+")
+
+
+def normalize_content(text: str) -> str:
+    t = unicodedata.normalize("NFKC", text).casefold()
+    t = _WS.sub(" ", t).strip()
+    return t.rstrip(" .!;,")
+
+
+def memory_id(user_id: str, episode_id: str, mem_type: str, content: str) -> str:
+    key = "\x1f".join([user_id, episode_id, mem_type, normalize_content(content)])
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass
+class DecomposeStats:
+    episodes: int = 0
+    turns: int = 0
+    calls: int = 0
+    retries: int = 0
+    quarantined: int = 0
+    memories: int = 0
+    duplicates_collapsed: int = 0
+    evidence_ids_dropped: int = 0
+    memories_dropped_no_evidence: int = 0
+    memories_dropped_empty: int = 0
+    reused_calls: int = 0  # ledger rows restored from a checkpoint instead of sent again
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def memories_from_output(
+    ep: Episode,
+    mem_type: str,
+    parsed: dict[str, Any],
+    stats: DecomposeStats,
+    *,
+    model: str,
+    prompt_version: str,
+    code_version: str,
+    created_at: datetime,
+) -> list[dict[str, Any]]:
+    by_index = {t.turn_index: t for t in ep.turns}
+    merged: dict[str, dict[str, Any]] = {}
+    for item in parsed.get("memories") or []:
+        content = " ".join(str(item.get("content") or "").split())
+        if not normalize_content(content):
+            stats.memories_dropped_empty += 1
+            continue
+        ids = []
+        for raw_id in item.get("evidence_turn_ids") or []:
+            if isinstance(raw_id, int) and not isinstance(raw_id, bool) and raw_id in by_index:
+                ids.append(raw_id)
+            else:
+                stats.evidence_ids_dropped += 1
+        if not ids:
+            stats.memories_dropped_no_evidence += 1
+            continue
+        mid = memory_id(ep.user_id, ep.episode_id, mem_type, content)
+        if mid in merged:
+            stats.duplicates_collapsed += 1
+            merged[mid]["evidence_turn_ids"] = sorted(set(merged[mid]["evidence_turn_ids"]) | set(ids))
+            continue
+        merged[mid] = {"memory_id": mid, "content": content, "evidence_turn_ids": sorted(set(ids))}
+    rows = []
+    for m in merged.values():
+        position = max(m["evidence_turn_ids"])
+        ts = by_index[position].timestamp
+        rows.append(
+            {
+                "memory_id": m["memory_id"],
+                "user_id": ep.user_id,
+                "type": mem_type,
+                "content": m["content"],
+                "episode_id": ep.episode_id,
+                "evidence_turn_ids": m["evidence_turn_ids"],
+                "position": position,
+                "valid_from": ts,
+                "model": model,
+                "prompt_version": prompt_version,
+                "code_version": code_version,
+                "created_at": created_at,
+            }
+        )
+    return rows
