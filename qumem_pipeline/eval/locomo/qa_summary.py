@@ -1,0 +1,94 @@
+"""The QA report's per-strategy scores and ledger totals, and the table the CLI prints."""
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from qumem_pipeline.eval.locomo.qa_contexts import QAQuestion
+from qumem_pipeline.eval.locomo.qa_prompt import HEADLINE
+
+
+def _ledger_totals(rows: list[dict]) -> dict:
+    out: dict = defaultdict(lambda: {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "errors": 0})
+    for r in rows:
+        t = out[r.get("strategy") or "?"]
+        t["calls"] += 1
+        t["prompt_tokens"] += int(r.get("prompt_tokens") or 0)
+        t["completion_tokens"] += int(r.get("completion_tokens") or 0)
+        t["errors"] += r.get("status") != "ok"
+    return dict(out)
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(float(np.mean(xs)), 4) if xs else None
+
+
+def build_report(selected: Sequence[QAQuestion], run: Sequence[str], done: dict, skipped: dict,
+                 requested: Sequence[str]) -> dict:
+    """``qa.<strategy>``: f1 / bleu1 over categories 1-4, per category, and category 5 apart."""
+    from qumem_pipeline.ingest.importers.locomo import CATEGORY_NAMES
+
+    by_cat: dict = defaultdict(int)
+    for q in selected:
+        by_cat[q.category] += 1
+    qa: dict = {}
+    for s in run:
+        rows = [done[(s, q.key)] for q in selected if (s, q.key) in done]
+        head = [r for r in rows if r["category"] in HEADLINE]
+        adv = [r for r in rows if r["category"] == 5]
+        per_cat = {}
+        for c in HEADLINE:
+            rc = [r for r in head if r["category"] == c]
+            if rc:
+                per_cat[str(c)] = {"name": CATEGORY_NAMES.get(c), "n": len(rc), "f1": _mean(r["f1"] for r in rc),
+                                   "bleu1": _mean(r["bleu1"] for r in rc)}
+        if adv:
+            per_cat["5"] = {"name": CATEGORY_NAMES.get(5), "n": len(adv), "abstain": _mean(r["abstain"] for r in adv)}
+        qa[s] = {
+            "f1": _mean(r["f1"] for r in head), "bleu1": _mean(r["bleu1"] for r in head), "n": len(head),
+            "per_category": per_cat,
+            "adversarial": {"n": len(adv), "abstain": _mean(r["abstain"] for r in adv)},
+            "no_answer": sum(1 for r in rows if r["prediction"] is None),
+            "state_failed": sum(1 for r in rows if r.get("state_ok") is False),
+            "not_answered": len(selected) - len(rows),
+            "mean_context_words": _mean(r.get("context_words") for r in rows),
+            "answer_prompt_tokens": sum(int(r.get("answer_prompt_tokens") or 0) for r in rows),
+            "answer_completion_tokens": sum(int(r.get("answer_completion_tokens") or 0) for r in rows),
+        }
+    return {
+        "qa": qa,
+        "strategies": list(run),
+        "strategies_requested": list(requested),
+        "n_questions": sum(v for c, v in by_cat.items() if c in HEADLINE),
+        "n_questions_adversarial": by_cat.get(5, 0),
+        "questions_by_category": {str(c): n for c, n in sorted(by_cat.items(), key=lambda x: (x[0] is None, x[0]))},
+        "scoring": ("token F1 and BLEU-1 over categories 1-4 (LoCoMo normalisation and per-category F1 rule, "
+                    "see qa_metrics); category 5: share of answers that abstain (LoCoMo's rule)"),
+        "skipped": skipped,
+    }
+
+
+def format_table(report: dict) -> str:
+    cats = ["1", "2", "3", "4"]
+    lines = [f"LoCoMo QA ({report.get('dataset')}, {report['n_questions']} questions cat 1-4 + "
+             f"{report['n_questions_adversarial']} cat 5; model {report.get('model')}; topk budget "
+             f"{report.get('words_budget')} words)",
+             f"  {'strategy':<14}{'F1':>7}{'BLEU-1':>8}" + "".join(f"{'F1 c' + c:>8}" for c in cats)
+             + f"{'c5 abst':>9}{'n':>5}{'ctx words':>10}"]
+
+    def f(v) -> str:
+        return "n/a" if v is None else f"{v:.3f}"
+
+    for s, v in report["qa"].items():
+        pc = v["per_category"]
+        lines.append(f"  {s:<14}{f(v['f1']):>7}{f(v['bleu1']):>8}"
+                     + "".join(f"{f(pc.get(c, {}).get('f1')):>8}" for c in cats)
+                     + f"{f(v['adversarial']['abstain']):>9}{v['n'] + v['adversarial']['n']:>5}"
+                     + f"{(v['mean_context_words'] or 0):>10.0f}")
+    lines.append(f"skipped: {json.dumps(report['skipped'])}")
+    lines.append(f"LLM calls: {json.dumps(report.get('llm_calls', {}).get('ledger_by_strategy', {}))}")
+    lines.append(f"report: {report.get('html')}; checkpoint: {report.get('checkpoint')}; wall time {report.get('wall_s')}s")
+    return "\n".join(lines)
