@@ -91,7 +91,8 @@ def test_partitioned_materialization_is_recorded_in_postgres(tmp_path, dagster_e
         assert mats == {(("turns",), "alice"), (("turns",), "bob"), (("warehouse",), "alice"), (("warehouse",), "bob")}
         cur.execute("SELECT partition FROM dynamic_partitions WHERE partitions_def_name = 'users' ORDER BY partition")
         assert [r[0] for r in cur.fetchall()] == ["alice", "bob", "chen"]
-    # ...and the run wrote its per-user Parquet partitions, for exactly the two users of the range.
+    # ...and the store holds the turns: the archive sync ingests each new file once, for every user it
+    # holds (the run's materializations above are exactly the two users of the range).
     from qumem_pipeline.storage.layout import DataLayout
 
-    assert DataLayout(data_root).users_in("turns") == ["alice", "bob"]
+    assert DataLayout(data_root).users_in("turns") == ["alice", "bob", "chen"]
