@@ -156,8 +156,7 @@ def dies_and_returns(work: Path, expected: int, clean: dict) -> dict:
     t0 = time.perf_counter()
     try:
         with backend(srv.base_url, max_retries=8, backoff_base_s=0.2, backoff_max_s=1.0) as be:
-            out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(work / "die-data"),
-                                     batch_episodes=4)
+            out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(work / "die-data"))
         th.join(timeout=120)
         repeated = repeated_calls(srv, box["srv"])
     finally:
@@ -177,12 +176,11 @@ def gone_for_good(work: Path, expected: int, clean: dict) -> dict:
     with RunningFakeServer({"rules": [{"match": ep_text(2, 0), "responses": [{"exit": True}]}], "default": [ECHO]},
                            work / "gone1", port=port) as s1, backend(s1.base_url) as be:
         try:
-            decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root), batch_episodes=4)
+            decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root))
         except LLMEndpointError as exc:
             failed_cleanly, message = True, str(exc)
         with RunningFakeServer({"default": [ECHO]}, work / "gone2", port=port) as s2, backend(s2.base_url) as be:
-            out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root),
-                                     batch_episodes=4)
+            out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root))
             repeated = repeated_calls(s1, s2)  # calls the rerun sent again although the first server had answered them
     return {"scenario": "llm:gone-for-good+rerun", "injected": "server exits and stays down; rerun after it is back",
             "recovered": failed_cleanly and recovered_vs_clean(out, clean), "rows_expected": expected,

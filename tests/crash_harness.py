@@ -55,7 +55,7 @@ def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout:
         "TRANSFORMERS_OFFLINE": "1", "QUMEM_LLM_KIND": "openai", "QUMEM_LLM_BASE_URL": base_url,
         # the fake server's model: named, so the stage versions do not depend on the server's port
         "QUMEM_LLM_MODEL": "fake-model",
-        "QUMEM_QUERIES": str(work / "archive" / "queries.jsonl"), "QUMEM_DECOMPOSE_BATCH_EPISODES": "1",
+        "QUMEM_QUERIES": str(work / "archive" / "queries.jsonl"),
         "QUMEM_DEVICE": "cpu",
     })
     if os.environ.get("QUMEM_CACHE_DIR"):

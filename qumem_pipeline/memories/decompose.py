@@ -103,7 +103,6 @@ def decompose_episodes(
     prompt_version: str = PROMPT_VERSION,
     code_version: str | None = None,  # None: this code's memories stage version
     checkpoint: CheckpointStore | None = None,
-    batch_episodes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> DecomposeOutput:
     """Decompose every episode (all users); retry bad output once, then quarantine.
@@ -115,7 +114,7 @@ def decompose_episodes(
     this returns or raises, so an endpoint failure loses no answered call. With a `checkpoint`,
     calls finished by an earlier (crashed or failed) run are restored, not repeated. The tables
     come out in (episode, type) order whatever the completion order, so a resumed run equals an
-    uninterrupted one. `batch_episodes` is accepted for older callers and no longer used.
+    uninterrupted one.
 
     `progress(done, total)` is called after each finished call with the calls sent so far (the
     calls restored from a checkpoint are not counted: they cost nothing).
@@ -123,7 +122,6 @@ def decompose_episodes(
     Raises `LLMEndpointError` when the endpoint stays unreachable after the backend's retries,
     after every call that did finish is checkpointed (`exc.finished_outcomes`).
     """
-    del batch_episodes  # the old checkpoint-batch size: calls are now submitted continuously
     if created_at.tzinfo is None:
         created_at = created_at.replace(tzinfo=timezone.utc)
     eps = [coerce_episode(e) for e in episodes]

@@ -27,11 +27,9 @@ def _legend(names, y: int) -> str:
     return "".join(out)
 
 
-def bar_chart(groups: list[str], series: dict[str, list[float | None]], title: str, ymax: float = 1.0) -> str:
-    """Grouped bars: one group per x label, one bar per series; None draws nothing (n/a)."""
-    names = list(series)
-    leg_rows = (len(names) + 3) // 4
-    height = H + 18 * leg_rows
+def _frame(names: list[str], title: str, ymax: float) -> tuple[list[str], float, float]:
+    """The parts every chart starts with (svg header, title, y grid), and the plot's width and height."""
+    height = H + 18 * ((len(names) + 3) // 4)  # room for the legend's rows
     plot_w, plot_h = W - PAD_L - 16, H - PAD_B - PAD_T
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" role="img" aria-label="{_esc(title)}">',
              f'<text x="{PAD_L}" y="12" font-size="13" font-weight="bold">{_esc(title)}</text>']
@@ -40,6 +38,13 @@ def bar_chart(groups: list[str], series: dict[str, list[float | None]], title: s
         y = PAD_T + plot_h - plot_h * v / ymax
         parts.append(f'<line x1="{PAD_L}" x2="{PAD_L + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
                      f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{v:.1f}</text>')
+    return parts, plot_w, plot_h
+
+
+def bar_chart(groups: list[str], series: dict[str, list[float | None]], title: str, ymax: float = 1.0) -> str:
+    """Grouped bars: one group per x label, one bar per series; None draws nothing (n/a)."""
+    names = list(series)
+    parts, plot_w, plot_h = _frame(names, title, ymax)
     gw = plot_w / max(len(groups), 1)
     bw = gw * 0.8 / max(len(names), 1)
     for gi, g in enumerate(groups):
@@ -60,16 +65,7 @@ def bar_chart(groups: list[str], series: dict[str, list[float | None]], title: s
 
 def line_chart(xs: list[int], series: dict[str, list[float | None]], title: str, ymax: float = 1.0) -> str:
     names = list(series)
-    leg_rows = (len(names) + 3) // 4
-    height = H + 18 * leg_rows
-    plot_w, plot_h = W - PAD_L - 16, H - PAD_B - PAD_T
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" role="img" aria-label="{_esc(title)}">',
-             f'<text x="{PAD_L}" y="12" font-size="13" font-weight="bold">{_esc(title)}</text>']
-    for k in range(6):
-        v = ymax * k / 5
-        y = PAD_T + plot_h - plot_h * v / ymax
-        parts.append(f'<line x1="{PAD_L}" x2="{PAD_L + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
-                     f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{v:.1f}</text>')
+    parts, plot_w, plot_h = _frame(names, title, ymax)
 
     def px(i: int) -> float:
         return PAD_L + (plot_w * i / max(len(xs) - 1, 1))
