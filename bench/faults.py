@@ -26,6 +26,7 @@ The last line (with --json) is one JSON object: {"rows": [...], "total_rows_lost
 """
 
 import argparse
+import hashlib
 import json
 from collections import Counter
 import shutil
@@ -99,15 +100,30 @@ def recovered_vs_clean(out, clean: dict, failing_episodes: set[str] = frozenset(
 
 
 def valid_answers(*servers) -> Counter:
-    """Request messages -> how many times the servers answered them with valid output (from their own logs)."""
+    """Prompt key -> how many valid answers the servers delivered for it (from their own logs).
+
+    A request counts when its scripted answer was a valid memory echo *and* the server finished writing it:
+    a request logged just before the process died was received, not answered, and a client that never got
+    the answer has nothing to checkpoint (counting it made a repeat out of a call nobody paid for)."""
     got: Counter = Counter()
     for s in servers:
+        scripted: Counter = Counter()
         for r in s.requests():
             resp = r["response"]
             if (r["path"].endswith("/chat/completions") and resp.get("echo_memory") and resp.get("status", 200) == 200
                     and not set(resp) & {"hang", "truncate", "exit", "drop"}):
-                got[json.dumps(r["body"]["messages"], sort_keys=True)] += 1
+                scripted[prompt_key(r["body"])] += 1
+        delivered = Counter(g["key"] for g in s.generations()
+                            if g["event"] == "end" and g["how"] == "finished" and g.get("echo"))
+        for k, n in scripted.items():
+            got[k] += min(n, delivered[k])
     return got
+
+
+def prompt_key(body: dict) -> str:
+    """The fake server's key for a request (sha256 of its joined message texts)."""
+    text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def repeated_calls(*servers, reference: Counter | None = None) -> int:

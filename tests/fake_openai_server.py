@@ -72,10 +72,12 @@ class State:
             self.live[key] = n + 1
         self._gen_log({"key": key, "event": "start", "live_before": n, "t": time.time()})
 
-    def generation_ended(self, key: str, how: str) -> None:
+    def generation_ended(self, key: str, how: str, echo: bool = False) -> None:
+        """`how` is "finished" only once the whole answer is written to the socket: what a client can count as
+        received (`echo`: the answer was the scripted valid memory echo)."""
         with self.lock:
             self.live[key] -= 1
-        self._gen_log({"key": key, "event": "end", "how": how, "t": time.time()})
+        self._gen_log({"key": key, "event": "end", "how": how, "echo": echo, "t": time.time()})
 
     def _gen_log(self, entry: dict) -> None:
         if self.gen_log_path:
@@ -193,7 +195,7 @@ def make_handler(state: State):
                 how = "client_disconnected"
                 self.close_connection = True
             finally:
-                state.generation_ended(key, how)
+                state.generation_ended(key, how, echo=bool(resp.get("echo_memory")))
 
         def _wait_or_gone(self, seconds: float) -> bool:
             """Sleep `seconds` unless the client hangs up first (True): vLLM aborts such a request."""
