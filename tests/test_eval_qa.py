@@ -302,3 +302,25 @@ def test_answer_step_sees_the_dates_of_what_a_state_cites():
              RetrievedMemory("m2", "fact", "no date", 4, 0.8, [4], None)]
     assert render_candidates(cands).splitlines()[1:] == [
         "M1 [fact, stated 20 January 2023]: lost his job yesterday", "M2 [fact, turn 4]: no date"]
+
+
+def test_a_state_is_followed_by_its_evidence_within_the_word_budget():
+    from datetime import datetime, timezone
+
+    from qumem_pipeline.eval.locomo.qa_contexts import StateRow, render_grounded
+
+    d = datetime(2023, 5, 7, tzinfo=timezone.utc)
+    state = {"facts": [{"statement": "Jon paints", "memory_ids": ["m2"]}], "preference_trajectory": [], "insights": []}
+    texts = {"m1": "(Jon) Jon paints sunsets in oil", "m2": "(Jon) Jon took up painting", "turn:3": "Jon: I paint",
+             "m3": " ".join(["long"] * 40)}
+    row = StateRow(state, cited=["m2"], candidates=["m1", "m3", "m2", "turn:3", "profile:x"])
+    text = render_grounded(row, texts, {"m1": d, "m2": d, "turn:3": d}, budget=41)  # 18 + 8 + 9 + 6 words
+    head, _, evidence = text.partition("Evidence it rests on")
+    assert "- fact: Jon paints [stated 7 May 2023]" in head
+    lines = evidence.splitlines()[1:]
+    # cited first, then candidates by rank; m3 does not fit and is passed over; m2 is shown once; no text, no line
+    assert lines == ["[7 May 2023] (Jon) Jon took up painting", "[7 May 2023] (Jon) Jon paints sunsets in oil",
+                     "[7 May 2023] Jon: I paint"]
+    assert len(text.split()) <= 41 + len("Evidence it rests on (memories and turns retrieved for this question, "
+                                          "with dates):".split())
+    assert render_grounded(None, texts, None, 40).startswith("Inferred state: (none")

@@ -177,7 +177,7 @@ class ConversationContext:
 
         return [Query(q.key, self.conv.user_id, q.question, self.as_of) for q in questions]
 
-    def qumem_states(self, questions: Sequence[QAQuestion], llm) -> list[dict | None]:
+    def qumem_states(self, questions: Sequence[QAQuestion], llm) -> list["StateRow | None"]:
         """Z_q per question (A1 -> A2 -> typed retrieval -> A3), None where A3 gave nothing usable."""
         from qumem_pipeline.index.embeddings import embed_memories
         from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
@@ -190,10 +190,9 @@ class ConversationContext:
             store = VectorStore.in_memory([build_user_indexes(embed_memories(mems, self.emb), self.conv.user_id)])
             self._qumem = TypedMemoryRetriever(store, self.emb, mems)
         out = infer_user_states(self.queries(questions), llm, self._qumem, strategy="qumem", k=QUMEM_K)
-        by_id = {r["query_id"]: json.loads(r["state"]) for r in out.states.iter_rows(named=True)}
-        return [by_id.get(q.key) for q in questions]
+        return _state_rows(out.states, questions)
 
-    def adamem_states(self, questions: Sequence[QAQuestion], llm) -> list[dict | None]:
+    def adamem_states(self, questions: Sequence[QAQuestion], llm) -> list["StateRow | None"]:
         from qumem_pipeline.eval.locomo.adamem_units import session_episodes
         from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, UserBundle
         from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever
@@ -209,8 +208,61 @@ class ConversationContext:
             bundle = UserBundle.build(self.conv.user_id, turns, mems, self.emb, episodes=eps)
             self._adamem = AdaMemRetriever({self.conv.user_id: bundle}, self.emb)
         out = infer_adamem_states(self.queries(questions), llm, self._adamem, k=DEFAULT_K)
-        by_id = {r["query_id"]: json.loads(r["state"]) for r in out.states.iter_rows(named=True)}
-        return [by_id.get(q.key) for q in questions]
+        return _state_rows(out.states, questions)
+
+    def unit_texts(self) -> dict:
+        """Text of every unit a state can cite: memories (owner-prefixed content) and turns ("Name: text")."""
+        out = {f"turn:{t}": line for t, line in zip(self.turn_index, self.lines)}
+        if self.memories is not None:
+            out.update(zip(self.memories["memory_id"].to_list(), self.memories["content"].to_list()))
+        return out
+
+
+@dataclass
+class StateRow:
+    """What a state strategy returned for one question: Z_q, the units it cites, and the candidates its
+    retrieval found (best score first)."""
+
+    state: dict | None
+    cited: list[str]
+    candidates: list[str]
+
+
+def _state_rows(states: pl.DataFrame, questions: Sequence[QAQuestion]) -> list[StateRow | None]:
+    by_id = {}
+    for r in states.iter_rows(named=True):
+        cands = sorted(r["candidates"] or [], key=lambda c: (-(c["score"] or 0.0), c["memory_id"]))
+        by_id[r["query_id"]] = StateRow(json.loads(r["state"]) if r["state"] else None,
+                                        list(r["cited_memory_ids"] or []), [c["memory_id"] for c in cands])
+    return [by_id.get(q.key) for q in questions]
+
+
+def render_grounded(row: "StateRow | None", texts: dict, dates: dict | None, budget: int) -> str:
+    """Z_q followed by the evidence it stands on, within the same word budget as the top-k contexts.
+
+    Why: the paper's state is the relevant facts, the preference trajectory and the applicable insights
+    *selected from* the retrieved memories; a 1.5B model's one-line restatement of a memory drops the
+    detail a question asks for ("what did she paint?"), so the answer step also sees the memories
+    themselves: first those the state cites, then the other candidates the plan retrieved, best score
+    first, each whole, until the budget (state lines included) is spent."""
+    head = render_state(row.state if row is not None else None, dates)
+    if row is None:
+        return head
+    spent = len(head.split())
+    lines, seen = [], set()
+    for uid in [*row.cited, *row.candidates]:
+        if uid in seen or uid not in texts:
+            continue
+        seen.add(uid)
+        line = f"[{_date(dates.get(uid)) if dates else 'unknown date'}] {texts[uid]}"
+        n = len(line.split())
+        if spent + n > budget:
+            continue
+        lines.append(line)
+        spent += n
+    if not lines:
+        return head
+    return head + "\nEvidence it rests on (memories and turns retrieved for this question, with dates):\n" + "\n".join(lines)
 
 
 def _cited_dates(item: dict, dates: dict | None) -> str:
@@ -287,6 +339,8 @@ def _contexts(s: str, cx: ConversationContext, part: list[QAQuestion], llm, word
         qv = emb.encode([q.question for q in part])
         got = cx.topk_turns(qv, words) if s == "topk_turns" else cx.topk_memories(qv, words)
         return [g[0] for g in got], [{"context_words": g[1]} for g in got]
-    states = cx.qumem_states(part, llm) if s == "qumem" else cx.adamem_states(part, llm)
-    texts = [render_state(st, cx.unit_dates()) for st in states]
-    return texts, [{"context_words": len(t.split()), "state_ok": st is not None} for t, st in zip(texts, states)]
+    rows = cx.qumem_states(part, llm) if s == "qumem" else cx.adamem_states(part, llm)
+    dates, units = cx.unit_dates(), cx.unit_texts()
+    texts = [render_grounded(r, units, dates, words) for r in rows]
+    return texts, [{"context_words": len(t.split()), "state_ok": r is not None and r.state is not None}
+                   for t, r in zip(texts, rows)]
