@@ -1,0 +1,187 @@
+"""In-domain and out-of-domain segmentation side by side: TIAGE test beside the LoCoMo-joined set.
+
+    python -m qumem_pipeline.eval.segmentation.robustness [--artifact DIR[=LABEL] ...] [--calib] [--json]
+
+Why: a classifier tuned on TIAGE can look good there and fail on other dialogue (issue 18 item 5).
+This runs every system on both sets with nothing chosen on the evaluated sets:
+
+- ``classifier`` (one row per ``--artifact``; default the committed one): the artifact's own
+  dev-chosen decision rule;
+- ``minilm_adjacent_sim``: the plain baseline — cosine of the base all-MiniLM-L6-v2 embeddings of
+  adjacent utterances, boundary when below a threshold chosen on TIAGE dev (lowest Pk);
+- ``texttiling_minilm``, ``fixed_window_4``, ``all_continue``, ``random_0.2`` as in
+  ``qumem eval segmentation``.
+
+Sets: ``tiage_test`` and ``ood_eval`` (:mod:`.ood`, built from LoCoMo at run time, seeded);
+``--calib`` adds ``ood_calib``, the half of the LoCoMo sessions that decision parameters may be
+chosen on (so it is not a clean report). Last line with ``--json``: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from qumem_pipeline.episodes.continuity.decoding import rule_of
+from qumem_pipeline.episodes.dialogues import Dialogue
+from qumem_pipeline.episodes.metrics import Scores, evaluate
+from qumem_pipeline.eval.segmentation import baselines as bl
+from qumem_pipeline.eval.segmentation import ood
+
+SIM_THRESHOLDS = tuple(round(float(t), 2) for t in np.arange(0.0, 0.91, 0.01))
+
+
+def _r(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), 4)
+
+
+def scores_dict(s: Scores) -> dict:
+    return {"pk": _r(s.pk), "windowdiff": _r(s.windowdiff), "f1": _r(s.f1),
+            "precision": _r(s.precision), "recall": _r(s.recall)}
+
+
+def per_dialogue(flat: np.ndarray, dialogues: list[Dialogue]) -> list[np.ndarray]:
+    out, pos = [], 0
+    for d in dialogues:
+        n = max(0, len(d.utterances) - 1)
+        out.append(np.asarray(flat[pos : pos + n]))
+        pos += n
+    return out
+
+
+def adjacent_pairs(dialogues: list[Dialogue]) -> list[tuple[str, str]]:
+    return [(d.utterances[i], d.utterances[i + 1]) for d in dialogues for i in range(len(d.utterances) - 1)]
+
+
+def adjacent_similarity(dialogues: list[Dialogue], embedder) -> list[np.ndarray]:
+    """Cosine of adjacent utterances' MiniLM embeddings, per dialogue (one batched encode)."""
+    flat = [u for d in dialogues for u in d.utterances]
+    emb = embedder.encode(flat)
+    out, pos = [], 0
+    for d in dialogues:
+        e = emb[pos : pos + len(d.utterances)]
+        out.append(np.sum(e[:-1] * e[1:], axis=1) if len(e) > 1 else np.zeros(0, np.float32))
+        pos += len(d.utterances)
+    return out
+
+
+def choose_sim_threshold(sims: list[np.ndarray], dialogues: list[Dialogue]) -> float:
+    """The similarity threshold with the lowest macro Pk on ``dialogues`` (TIAGE dev)."""
+    from qumem_pipeline.episodes.continuity.tune_decoding import PkScorer
+
+    score = PkScorer([d.boundaries for d in dialogues])
+    best = min(SIM_THRESHOLDS, key=lambda t: (round(score([(s < t).astype(int) for s in sims]), 6), t))
+    return float(best)
+
+
+def baseline_hyps(dialogues: list[Dialogue], sims: list[np.ndarray], sim_threshold: float, embedder) -> dict:
+    from qumem_pipeline.eval.segmentation.evaluate import RANDOM_SEED, texttiling_boundaries
+
+    rng = np.random.default_rng(RANDOM_SEED)
+    return {
+        "minilm_adjacent_sim": [[int(x) for x in (s < sim_threshold)] for s in sims],
+        "texttiling_minilm": texttiling_boundaries(dialogues, embedder),
+        f"fixed_window_{bl.DEFAULT_FIXED_SIZE}": [bl.fixed_window(len(d.utterances)) for d in dialogues],
+        "all_continue": [bl.all_continue(len(d.utterances)) for d in dialogues],
+        f"random_{bl.DEFAULT_RANDOM_RATE}": [bl.random_boundaries(len(d.utterances), rng) for d in dialogues],
+    }
+
+
+def classifier_hyps(clf, dialogues: list[Dialogue], batch_size: int = 64) -> list[list[int]]:
+    p = clf.predict_same_proba(adjacent_pairs(dialogues), batch_size=batch_size)
+    rule = rule_of(clf)
+    return [[int(x) for x in rule.boundaries(q)] for q in per_dialogue(p, dialogues)]
+
+
+def load_sets(with_calib: bool = False, seed: int = ood.DEFAULT_SEED) -> dict[str, list[Dialogue]]:
+    from qumem_pipeline.episodes.continuity.data import load_tiage
+
+    sets = {"tiage_test": load_tiage("test"), "ood_eval": ood.ood_dialogues("eval", seed=seed)}
+    if with_calib:
+        sets["ood_calib"] = ood.ood_dialogues("calib", seed=seed)
+    return sets
+
+
+def format_side_by_side(table: dict[str, dict[str, dict]], set_names: list[str]) -> str:
+    head = f"{'system':<28}" + "".join(f" | {n + ' Pk':>15} {'WD':>7} {'F1':>7}" for n in set_names)
+    lines = [head, "-" * len(head)]
+    f = lambda x: "    n/a" if x is None else f"{x:7.4f}"  # noqa: E731
+    for system, by_set in table.items():
+        cells = "".join(f" | {f(by_set[n]['pk']):>15} {f(by_set[n]['windowdiff'])} {f(by_set[n]['f1'])}"
+                        for n in set_names)
+        lines.append(f"{system:<28}{cells}")
+    return "\n".join(lines)
+
+
+def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool = False, as_json: bool = False,
+        seed: int = ood.DEFAULT_SEED, device: str | None = None, batch_size: int = 64) -> dict:
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity.data import load_tiage
+
+    t0 = time.time()
+    sets = load_sets(with_calib, seed)
+    embedder = bl.SentenceEmbedder(device=device)
+    dev = load_tiage("dev")
+    sim_thr = choose_sim_threshold(adjacent_similarity(dev, embedder), dev)
+
+    table: dict[str, dict[str, dict]] = {}
+    versions = {}
+    for adir, label in artifacts or [(None, "classifier")]:
+        clf = ContinuityClassifier.load(adir, device=device)
+        versions[label] = {"version": clf.version, "rule": rule_of(clf).to_json()}
+        table[label] = {n: scores_dict(evaluate([d.boundaries for d in ds], classifier_hyps(clf, ds, batch_size)))
+                        for n, ds in sets.items()}
+        del clf
+    for name, ds in sets.items():
+        refs = [d.boundaries for d in ds]
+        for system, hyps in baseline_hyps(ds, adjacent_similarity(ds, embedder), sim_thr, embedder).items():
+            table.setdefault(system, {})[name] = scores_dict(evaluate(refs, hyps))
+
+    stats = {n: {"n_dialogues": len(ds), "n_utterances": sum(len(d.utterances) for d in ds),
+                 "n_boundaries": sum(sum(d.boundaries) for d in ds)} for n, ds in sets.items()}
+    result = {"sets": stats, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed,
+              "minilm_adjacent_sim_threshold": sim_thr, "minilm_adjacent_sim_threshold_chosen_on": "TIAGE dev",
+              "classifiers": versions, "systems": table, "elapsed_s": round(time.time() - t0, 1)}
+    for n, s in stats.items():
+        print(f"{n}: {s['n_dialogues']} dialogues, {s['n_utterances']} utterances, {s['n_boundaries']} boundaries")
+    for label, v in versions.items():
+        print(f"{label}: {v['version']} (threshold {v['rule']['threshold']})")
+    print(f"minilm_adjacent_sim: boundary when cosine < {sim_thr} (chosen on TIAGE dev)")
+    print(format_side_by_side(table, list(sets)))
+    sys.stdout.flush()
+    if as_json:
+        print(json.dumps(result))
+    return result
+
+
+def _artifact_arg(s: str) -> tuple[str, str]:
+    path, _, label = s.partition("=")
+    return path, label or f"classifier:{path.rstrip('/').rsplit('/', 1)[-1]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qumem_pipeline.eval.segmentation.robustness", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", action="append", type=_artifact_arg, default=None,
+                    help="continuity artifact dir, optionally DIR=LABEL; repeat to compare (default: committed)")
+    ap.add_argument("--calib", action="store_true", help="also report the OOD calibration half")
+    ap.add_argument("--seed", type=int, default=ood.DEFAULT_SEED, help="OOD set seed")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    run(args.artifact, args.calib, args.json, args.seed, args.device, args.batch_size)
+    return 0
+
+
+if __name__ == "__main__":
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    raise SystemExit(main())
