@@ -119,20 +119,26 @@ def format_side_by_side(table: dict[str, dict[str, dict]], set_names: list[str])
 
 
 def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool = False, as_json: bool = False,
-        seed: int = ood.DEFAULT_SEED, device: str | None = None, batch_size: int = 64) -> dict:
+        seed: int = ood.DEFAULT_SEED, device: str | None = None, batch_size: int = 64,
+        sets: dict[str, list[Dialogue]] | None = None, dev: list[Dialogue] | None = None,
+        classifiers: dict | None = None, embedder=None) -> dict:
+    """``sets`` / ``dev`` / ``classifiers`` (label -> loaded classifier) replace the defaults (tests)."""
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
     from qumem_pipeline.episodes.continuity.data import load_tiage
 
     t0 = time.time()
-    sets = load_sets(with_calib, seed)
-    embedder = bl.SentenceEmbedder(device=device)
-    dev = load_tiage("dev")
+    sets = sets if sets is not None else load_sets(with_calib, seed)
+    embedder = embedder or bl.SentenceEmbedder(device=device)
+    dev = dev if dev is not None else load_tiage("dev")
     sim_thr = choose_sim_threshold(adjacent_similarity(dev, embedder), dev)
 
     table: dict[str, dict[str, dict]] = {}
     versions = {}
-    for adir, label in artifacts or [(None, "classifier")]:
-        clf = ContinuityClassifier.load(adir, device=device)
+    loaders = ({label: (lambda c=c: c) for label, c in classifiers.items()} if classifiers else
+               {label: (lambda a=adir: ContinuityClassifier.load(a, device=device))
+                for adir, label in artifacts or [(None, "classifier")]})
+    for label, load in loaders.items():
+        clf = load()
         versions[label] = {"version": clf.version, "rule": rule_of(clf).to_json()}
         table[label] = {n: scores_dict(evaluate([d.boundaries for d in ds], classifier_hyps(clf, ds, batch_size)))
                         for n, ds in sets.items()}
