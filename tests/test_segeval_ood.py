@@ -117,11 +117,13 @@ def test_side_by_side_on_slices(capsys):
 
     clf = ContinuityClassifier.load(device="cpu")
     sets = {"tiage_test": load_tiage("test")[:6], "ood_eval": ood.ood_dialogues("eval")[:3]}
-    res = rb.run(as_json=True, sets=sets, dev=load_tiage("dev")[:12], classifiers={"classifier": clf})
+    res = rb.run(as_json=True, sets=sets, dev=load_tiage("dev")[:12], classifiers={"classifier": clf},
+                 sim_dip=True, calib=ood.ood_dialogues("calib")[:3])
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == json.loads(json.dumps(res))
     assert any(line.startswith("minilm_adjacent_sim") for line in out)
-    assert set(res["systems"]) == {"classifier", "minilm_adjacent_sim", "texttiling_minilm", "fixed_window_4",
+    assert res["classifiers"]["classifier"]["sim_dip"]["dev_pk"] <= res["classifiers"]["classifier"]["sim_dip"]["dev_pk_classifier_rule"]
+    assert set(res["systems"]) == {"classifier", "classifier+sim_dip", "minilm_adjacent_sim", "texttiling_minilm", "fixed_window_4",
                                    "all_continue", "random_0.2"}
     for system, by_set in res["systems"].items():
         assert set(by_set) == set(sets), system
@@ -143,3 +145,21 @@ def test_sim_threshold_is_chosen_by_pk():
     t = choose_sim_threshold(sims, ds)
     assert 0.305 < t <= 0.6  # separates both boundaries from every continuation
     assert [list((s < t).astype(int)) for s in sims] == [d.boundaries for d in ds]
+
+
+def test_sim_dip_rule_and_its_choice():
+    from qumem_pipeline.episodes.continuity.decoding import DecisionRule
+    from qumem_pipeline.eval.segmentation.robustness import SimDipRule, choose_sim_dip
+
+    p = np.array([0.9, 0.3, 0.85, 0.7, 0.95])
+    c = np.array([0.6, 0.5, 0.1, 0.05, 0.7])
+    base = DecisionRule(0.42).boundaries(p)
+    assert list(SimDipRule(0.2, 0.9, False).boundaries(base, p, c)) == [0, 1, 1, 1, 0]
+    assert list(SimDipRule(0.2, 0.9, True).boundaries(base, p, c)) == [0, 1, 0, 1, 0]  # 0.1 is no dip
+    assert list(SimDipRule(0.2, 0.8, False).boundaries(base, p, c)) == [0, 1, 0, 1, 0]  # P(same) 0.85 gated
+    # dev: the cosine only adds false boundaries, calib: it finds the join -> the choice keeps dev intact
+    dev = ([np.array([0.9, 0.2, 0.9, 0.9, 0.9])], [np.array([0.1, 0.1, 0.1, 0.1, 0.1])], [[0, 1, 0, 0, 0]])
+    cal = ([np.array([0.9, 0.9, 0.7, 0.9, 0.9])], [np.array([0.6, 0.6, 0.08, 0.6, 0.6])], [[0, 0, 1, 0, 0]])
+    rule, sel = choose_sim_dip(DecisionRule(0.42), dev, cal)
+    assert sel["dev_pk"] <= sel["dev_pk_classifier_rule"] and sel["calib_pk"] == 0.0
+    assert rule.p_gate <= 0.9 or rule.sim_threshold <= 0.1
