@@ -92,6 +92,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from qumem_pipeline.eval.segmentation.evaluate import main as seg_main
 
         return seg_main(args.rest)
+    if args.what == "segmentation-ood":
+        from qumem_pipeline.eval.segmentation.robustness import main as robust_main
+
+        return robust_main(args.rest)
     from qumem_pipeline.eval.locomo.harness import main as locomo_main
 
     return locomo_main(args.rest)
@@ -151,10 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "eval",
-        help="evaluations: `segmentation PATH [--format tiage|segments] [--json]`, `locomo PATH [--json] ...`",
+        help="evaluations: `segmentation PATH [--format tiage|segments] [--json]`, `segmentation-ood [--json]` "
+             "(TIAGE test beside the LoCoMo-joined OOD set), `locomo PATH [--json] ...`",
         description="Forwards to the evaluation's own options; see `qumem eval segmentation --help`.",
     )
-    sp.add_argument("what", choices=["segmentation", "locomo"])
+    sp.add_argument("what", choices=["segmentation", "segmentation-ood", "locomo"])
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 

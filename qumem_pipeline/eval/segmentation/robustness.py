@@ -1,0 +1,269 @@
+"""In-domain and out-of-domain segmentation side by side: TIAGE test beside the LoCoMo-joined set.
+
+    python -m qumem_pipeline.eval.segmentation.robustness [--artifact DIR[=LABEL] ...] [--calib] [--json]
+
+Why: a classifier tuned on TIAGE can look good there and fail on other dialogue (issue 18 item 5).
+This runs every system on both sets with nothing chosen on the evaluated sets:
+
+- ``classifier`` (one row per ``--artifact``; default the committed one): the artifact's own
+  dev-chosen decision rule;
+- ``minilm_adjacent_sim``: the plain baseline — cosine of the base all-MiniLM-L6-v2 embeddings of
+  adjacent utterances, boundary when below a threshold chosen on TIAGE dev (lowest Pk);
+- ``texttiling_minilm``, ``fixed_window_4``, ``all_continue``, ``random_0.2`` as in
+  ``qumem eval segmentation``.
+
+Sets: ``tiage_test`` and ``ood_eval`` (:mod:`.ood`, built from LoCoMo at run time, seeded);
+``--calib`` adds ``ood_calib``, the half of the LoCoMo sessions that decision parameters may be
+chosen on (so it is not a clean report). ``--sim-dip`` adds, per classifier, the candidate decision
+:class:`SimDipRule` (classifier + MiniLM cosine dips), its parameters chosen on TIAGE dev and OOD
+calib only. Last line with ``--json``: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+import math
+import sys
+import time
+
+import numpy as np
+
+from qumem_pipeline.episodes.continuity.decoding import rule_of
+from qumem_pipeline.episodes.dialogues import Dialogue
+from qumem_pipeline.episodes.metrics import Scores, evaluate
+from qumem_pipeline.eval.segmentation import baselines as bl
+from qumem_pipeline.eval.segmentation import ood
+
+SIM_THRESHOLDS = tuple(round(float(t), 2) for t in np.arange(0.0, 0.91, 0.01))
+
+
+def _r(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), 4)
+
+
+def scores_dict(s: Scores) -> dict:
+    return {"pk": _r(s.pk), "windowdiff": _r(s.windowdiff), "f1": _r(s.f1),
+            "precision": _r(s.precision), "recall": _r(s.recall)}
+
+
+def per_dialogue(flat: np.ndarray, dialogues: list[Dialogue]) -> list[np.ndarray]:
+    out, pos = [], 0
+    for d in dialogues:
+        n = max(0, len(d.utterances) - 1)
+        out.append(np.asarray(flat[pos : pos + n]))
+        pos += n
+    return out
+
+
+def adjacent_pairs(dialogues: list[Dialogue]) -> list[tuple[str, str]]:
+    return [(d.utterances[i], d.utterances[i + 1]) for d in dialogues for i in range(len(d.utterances) - 1)]
+
+
+def adjacent_similarity(dialogues: list[Dialogue], embedder) -> list[np.ndarray]:
+    """Cosine of adjacent utterances' MiniLM embeddings, per dialogue (one batched encode)."""
+    flat = [u for d in dialogues for u in d.utterances]
+    emb = embedder.encode(flat)
+    out, pos = [], 0
+    for d in dialogues:
+        e = emb[pos : pos + len(d.utterances)]
+        out.append(np.sum(e[:-1] * e[1:], axis=1) if len(e) > 1 else np.zeros(0, np.float32))
+        pos += len(d.utterances)
+    return out
+
+
+def choose_sim_threshold(sims: list[np.ndarray], dialogues: list[Dialogue]) -> float:
+    """The similarity threshold with the lowest macro Pk on ``dialogues`` (TIAGE dev)."""
+    from qumem_pipeline.episodes.continuity.tune_decoding import PkScorer
+
+    score = PkScorer([d.boundaries for d in dialogues])
+    best = min(SIM_THRESHOLDS, key=lambda t: (round(score([(s < t).astype(int) for s in sims]), 6), t))
+    return float(best)
+
+
+def baseline_hyps(dialogues: list[Dialogue], sims: list[np.ndarray], sim_threshold: float, embedder) -> dict:
+    from qumem_pipeline.eval.segmentation.evaluate import RANDOM_SEED, texttiling_boundaries
+
+    rng = np.random.default_rng(RANDOM_SEED)
+    return {
+        "minilm_adjacent_sim": [[int(x) for x in (s < sim_threshold)] for s in sims],
+        "texttiling_minilm": texttiling_boundaries(dialogues, embedder),
+        f"fixed_window_{bl.DEFAULT_FIXED_SIZE}": [bl.fixed_window(len(d.utterances)) for d in dialogues],
+        "all_continue": [bl.all_continue(len(d.utterances)) for d in dialogues],
+        f"random_{bl.DEFAULT_RANDOM_RATE}": [bl.random_boundaries(len(d.utterances), rng) for d in dialogues],
+    }
+
+
+def classifier_hyps(clf, dialogues: list[Dialogue], batch_size: int = 64) -> list[list[int]]:
+    p = clf.predict_same_proba(adjacent_pairs(dialogues), batch_size=batch_size)
+    rule = rule_of(clf)
+    return [[int(x) for x in rule.boundaries(q)] for q in per_dialogue(p, dialogues)]
+
+
+@dataclass(frozen=True)
+class SimDipRule:
+    """A candidate decision that adds the MiniLM similarity signal to a classifier (evaluation only).
+
+    Boundary when the classifier's own rule says so, OR when the adjacent cosine is below
+    ``sim_threshold``, is a strict local minimum of the dialogue's cosine sequence (with
+    ``local_min``) and the classifier is not confident of continuity (P(same) < ``p_gate``).
+    Why this shape: on the OOD set the classifier gives P(same) ~0.8 at joins while the base
+    embeddings' cosine separates them well; TIAGE's short turns have low cosine everywhere, so an
+    ungated cosine rule costs TIAGE — the gate and the dip keep the cosine to the clear cases.
+    """
+
+    sim_threshold: float
+    p_gate: float
+    local_min: bool
+
+    def boundaries(self, base: np.ndarray, p_same: np.ndarray, cos: np.ndarray) -> np.ndarray:
+        c = np.asarray(cos, dtype=np.float64)
+        dip = (c < self.sim_threshold) & (np.asarray(p_same) < self.p_gate)
+        if self.local_min and len(c):
+            left = np.concatenate([[np.inf], c[:-1]])
+            right = np.concatenate([c[1:], [np.inf]])
+            dip &= (c < left) & (c < right)
+        return (np.asarray(base).astype(bool) | dip).astype(np.int8)
+
+
+SIM_DIP_GRID = [SimDipRule(t, g, lm) for t in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
+                for g in (0.6, 0.7, 0.8, 0.9, 0.95, 1.01) for lm in (False, True)]
+
+
+def choose_sim_dip(rule, dev: tuple, calib: tuple) -> tuple[SimDipRule, dict]:
+    """The grid rule with the lowest OOD-calib Pk among those whose TIAGE dev Pk is no worse than
+    the classifier's own rule there (ties: lower dev Pk). ``dev`` / ``calib``: (P(same) per
+    dialogue, cosine per dialogue, reference gap strings)."""
+    from qumem_pipeline.episodes.continuity.tune_decoding import PkScorer
+
+    def pk(r, data):
+        probs, sims, refs = data
+        return PkScorer(refs)([r.boundaries(rule.boundaries(p), p, c) for p, c in zip(probs, sims)])
+
+    dev_base = PkScorer(dev[2])([rule.boundaries(p) for p in dev[0]])
+    scored = [(pk(r, calib), pk(r, dev), r) for r in SIM_DIP_GRID]
+    ok = [x for x in scored if x[1] <= dev_base + 1e-12]
+    cal, dv, best = min(ok, key=lambda x: (round(x[0], 6), round(x[1], 6)))
+    return best, {"chosen_on": "TIAGE dev (constraint: Pk <= the classifier rule's) + OOD calib (lowest Pk)",
+                  "dev_pk": round(dv, 4), "dev_pk_classifier_rule": round(dev_base, 4), "calib_pk": round(cal, 4),
+                  "sim_threshold": best.sim_threshold, "p_gate": best.p_gate, "local_min": best.local_min}
+
+
+def load_sets(with_calib: bool = False, seed: int = ood.DEFAULT_SEED) -> dict[str, list[Dialogue]]:
+    from qumem_pipeline.episodes.continuity.data import load_tiage
+
+    sets = {"tiage_test": load_tiage("test"), "ood_eval": ood.ood_dialogues("eval", seed=seed)}
+    if with_calib:
+        sets["ood_calib"] = ood.ood_dialogues("calib", seed=seed)
+    return sets
+
+
+def format_side_by_side(table: dict[str, dict[str, dict]], set_names: list[str]) -> str:
+    head = f"{'system':<28}" + "".join(f" | {n + ' Pk':>15} {'WD':>7} {'F1':>7}" for n in set_names)
+    lines = [head, "-" * len(head)]
+    f = lambda x: "    n/a" if x is None else f"{x:7.4f}"  # noqa: E731
+    for system, by_set in table.items():
+        cells = "".join(f" | {f(by_set[n]['pk']):>15} {f(by_set[n]['windowdiff'])} {f(by_set[n]['f1'])}"
+                        for n in set_names)
+        lines.append(f"{system:<28}{cells}")
+    return "\n".join(lines)
+
+
+def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool = False, as_json: bool = False,
+        seed: int = ood.DEFAULT_SEED, device: str | None = None, batch_size: int = 64,
+        sets: dict[str, list[Dialogue]] | None = None, dev: list[Dialogue] | None = None,
+        classifiers: dict | None = None, embedder=None, sim_dip: bool = False,
+        calib: list[Dialogue] | None = None) -> dict:
+    """``sets`` / ``dev`` / ``calib`` / ``classifiers`` (label -> loaded classifier) replace the
+    defaults (tests). ``sim_dip``: also a ``LABEL+sim_dip`` row per classifier (:class:`SimDipRule`,
+    chosen on TIAGE dev + OOD calib)."""
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+    from qumem_pipeline.episodes.continuity.data import load_tiage
+
+    t0 = time.time()
+    sets = sets if sets is not None else load_sets(with_calib, seed)
+    embedder = embedder or bl.SentenceEmbedder(device=device)
+    dev = dev if dev is not None else load_tiage("dev")
+    dev_cos = adjacent_similarity(dev, embedder)
+    sim_thr = choose_sim_threshold(dev_cos, dev)
+    cos = {n: adjacent_similarity(ds, embedder) for n, ds in sets.items()}
+    if sim_dip:
+        calib = calib if calib is not None else (sets.get("ood_calib") or ood.ood_dialogues("calib", seed=seed))
+        calib_cos = adjacent_similarity(calib, embedder)
+
+    table: dict[str, dict[str, dict]] = {}
+    versions = {}
+    loaders = ({label: (lambda c=c: c) for label, c in classifiers.items()} if classifiers else
+               {label: (lambda a=adir: ContinuityClassifier.load(a, device=device))
+                for adir, label in artifacts or [(None, "classifier")]})
+    for label, load in loaders.items():
+        clf = load()
+        rule = rule_of(clf)
+        versions[label] = {"version": clf.version, "rule": rule.to_json()}
+        probs = {n: per_dialogue(clf.predict_same_proba(adjacent_pairs(ds), batch_size=batch_size), ds)
+                 for n, ds in sets.items()}
+        table[label] = {n: scores_dict(evaluate([d.boundaries for d in ds], [rule.boundaries(p) for p in probs[n]]))
+                        for n, ds in sets.items()}
+        if sim_dip:
+            prob = lambda ds: per_dialogue(clf.predict_same_proba(adjacent_pairs(ds), batch_size=batch_size), ds)  # noqa: E731
+            dip, sel = choose_sim_dip(rule, (prob(dev), dev_cos, [d.boundaries for d in dev]),
+                                      (prob(calib), calib_cos, [d.boundaries for d in calib]))
+            versions[label]["sim_dip"] = sel
+            table[f"{label}+sim_dip"] = {
+                n: scores_dict(evaluate([d.boundaries for d in ds],
+                                        [dip.boundaries(rule.boundaries(p), p, c) for p, c in zip(probs[n], cos[n])]))
+                for n, ds in sets.items()}
+        del clf
+    for name, ds in sets.items():
+        refs = [d.boundaries for d in ds]
+        for system, hyps in baseline_hyps(ds, cos[name], sim_thr, embedder).items():
+            table.setdefault(system, {})[name] = scores_dict(evaluate(refs, hyps))
+
+    stats = {n: {"n_dialogues": len(ds), "n_utterances": sum(len(d.utterances) for d in ds),
+                 "n_boundaries": sum(sum(d.boundaries) for d in ds)} for n, ds in sets.items()}
+    result = {"sets": stats, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed,
+              "minilm_adjacent_sim_threshold": sim_thr, "minilm_adjacent_sim_threshold_chosen_on": "TIAGE dev",
+              "classifiers": versions, "systems": table, "elapsed_s": round(time.time() - t0, 1)}
+    for n, s in stats.items():
+        print(f"{n}: {s['n_dialogues']} dialogues, {s['n_utterances']} utterances, {s['n_boundaries']} boundaries")
+    for label, v in versions.items():
+        print(f"{label}: {v['version']} (threshold {v['rule']['threshold']})")
+        if "sim_dip" in v:
+            print(f"{label}+sim_dip: {v['sim_dip']}")
+    print(f"minilm_adjacent_sim: boundary when cosine < {sim_thr} (chosen on TIAGE dev)")
+    print(format_side_by_side(table, list(sets)))
+    sys.stdout.flush()
+    if as_json:
+        print(json.dumps(result))
+    return result
+
+
+def _artifact_arg(s: str) -> tuple[str, str]:
+    path, _, label = s.partition("=")
+    return path, label or f"classifier:{path.rstrip('/').rsplit('/', 1)[-1]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qumem_pipeline.eval.segmentation.robustness", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", action="append", type=_artifact_arg, default=None,
+                    help="continuity artifact dir, optionally DIR=LABEL; repeat to compare (default: committed)")
+    ap.add_argument("--calib", action="store_true", help="also report the OOD calibration half")
+    ap.add_argument("--sim-dip", action="store_true",
+                    help="also a CLASSIFIER+sim_dip row: the MiniLM cosine added to the decision (chosen on dev + calib)")
+    ap.add_argument("--seed", type=int, default=ood.DEFAULT_SEED, help="OOD set seed")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    run(args.artifact, args.calib, args.json, args.seed, args.device, args.batch_size, sim_dip=args.sim_dip)
+    return 0
+
+
+if __name__ == "__main__":
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    raise SystemExit(main())
