@@ -38,6 +38,7 @@ import math
 import operator
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -100,7 +101,8 @@ class SyncReport:
     rows_read: int = 0
     quarantined_read: int = 0
     seconds: float = 0.0
-    stages_s: dict = field(default_factory=lambda: {"read_check_spill": 0.0, "merge": 0.0, "fingerprints": 0.0, "write": 0.0})
+    stages_s: dict = field(default_factory=lambda: {"read_check_spill": 0.0, "merge": 0.0, "fingerprints": 0.0, "write": 0.0,
+                                                             "write_wait": 0.0})
 
     def _add(self, stage: str, since: float) -> float:
         now = time.perf_counter()
@@ -178,6 +180,8 @@ class _Sync:
         # Pending first: a run killed from here on is redone by the next (see module doc).
         _write_manifest(self.layout, self.plan, {}, self.version, pending=True)
         scratch = Path(tempfile.mkdtemp(prefix="qumem-ingest-"))
+        self._writer, self._pending_write = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qumem-ingest-write"), None
+        self._store_lock = threading.Lock()
         try:
             t = time.perf_counter()
             new_q = self._stage(scratch, chunk_bytes, batch_rows)
@@ -194,8 +198,13 @@ class _Sync:
                     mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
                     self._rebuild(users, mine, attributed.filter(pl.col("user_id").is_in(users)))
                 del staged
+            t = time.perf_counter()
+            self._drain()
+            self.report._add("write_wait", t)
             self._rebuild_unattributed(new_q.filter(~valid_user_id_expr()))
         finally:
+            # A failure elsewhere still lets the write in flight finish before the lock is released.
+            self._writer.shutdown(wait=True)
             shutil.rmtree(scratch, ignore_errors=True)
         _write_manifest(self.layout, self.plan, self.file_stats, self.version)
 
@@ -326,8 +335,9 @@ class _Sync:
         parts = [staged]
         stored_turns = stored_dups = None
         if self.plan.old:  # with no manifest yet, stored rows belong to files read again (see _kept)
-            stored_turns = self.layout.read_table("turns", users)
-            stored_dups = self.layout.read_table(DUPLICATES_TABLE, users)
+            with self._store_lock:  # table handles are not shared across threads mid-call
+                stored_turns = self.layout.read_table("turns", users)
+                stored_dups = self.layout.read_table(DUPLICATES_TABLE, users)
             parts += [_turns_to_candidates(self._kept(stored_turns)), _duplicates_to_candidates(self._kept(stored_dups))]
         candidates = pl.concat([_empty_candidates()] + [p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
             _pos=(pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE)
@@ -336,7 +346,8 @@ class _Sync:
         turns, dups, dup_q = merge_candidates(candidates)
         if self.cfg.strict:
             raise_if_bad(dup_q)
-        old_q = self.layout.read_table("quarantine", users) if self.plan.old else None
+        with self._store_lock:
+            old_q = self.layout.read_table("quarantine", users) if self.plan.old else None
         kept_q = None
         if old_q is not None:
             kept_q = old_q.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped))
@@ -362,16 +373,38 @@ class _Sync:
         )
         if self.before_commit is not None:  # blocking checks on the rows: a failure commits nothing of them
             self.before_commit(turns, quarantine)
-        self._write_turns(users, turns, stored_turns)
-        if self._may_hold(old_q, quarantine):
-            replace_users(self.layout, "quarantine", users, quarantine)
-        if self._may_hold(stored_dups, dup_rows):
-            replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
-        self._write_file_users(users, file_users)
-        # Recorded only after the users' data is in place: a fingerprint vouches for its turns.
-        replace_users(self.layout, "fingerprints", users, fingerprints, dense=True)
-        self.report._add("write", t)
-        self.report.users_rebuilt += len(users)
+
+        def write() -> None:
+            with self._store_lock:
+                _write(time.perf_counter())
+
+        def _write(w: float) -> None:
+            self._write_turns(users, turns, stored_turns)
+            if self._may_hold(old_q, quarantine):
+                replace_users(self.layout, "quarantine", users, quarantine)
+            if self._may_hold(stored_dups, dup_rows):
+                replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
+            self._write_file_users(users, file_users)
+            # Recorded only after the users' data is in place: a fingerprint vouches for its turns.
+            replace_users(self.layout, "fingerprints", users, fingerprints, dense=True)
+            self.report._add("write", w)
+            self.report.users_rebuilt += len(users)
+
+        self._submit(write)
+
+    def _submit(self, write) -> None:
+        """Run one group's writes on the writer thread while the next group merges (delta-rs
+        encodes and commits without the GIL): at most one group's writes in flight, in order."""
+        t = time.perf_counter()
+        self._drain()
+        self._pending_write = self._writer.submit(write)
+        self.report._add("write_wait", t)
+
+    def _drain(self) -> None:
+        """Wait for the group in flight; its failure is raised here."""
+        pending, self._pending_write = self._pending_write, None
+        if pending is not None:
+            pending.result()
 
     def _may_hold(self, stored: pl.DataFrame | None, rows: pl.DataFrame) -> bool:
         """Whether a sparse table needs a write for these users: rows to write, or stored rows to
