@@ -132,6 +132,8 @@ def phase(name: str, work: Path) -> dict:
     elif name == "readers":
         out.update(compare_readers(sorted(archive.glob("*.jsonl"))))
     out["seconds"] = round(time.perf_counter() - t, 3)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 2)  # all threads: steadier than wall time on a busy box
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return out
 

@@ -361,7 +361,10 @@ class _Sync:
             quarantine.select("user_id", file_id=pl.col("source_file").replace_strict(self.path_ids, default=None)),
         ], how="vertical").drop_nulls().unique().sort("user_id", "file_id").cast(FILE_USERS_SCHEMA)
         t = self.report._add("merge", t)
-        fps = UserRuns(turns).fingerprints()
+        fps: dict[str, str] = {}
+        with ThreadPoolExecutor(max_workers=2) as pool:  # building lines and sha256 release the GIL
+            for block in pool.map(lambda b: b.hash(), UserRuns(turns).fingerprint_blocks()):
+                fps.update(block)
         t = self.report._add("fingerprints", t)
         n_q = dict(quarantine.group_by("user_id").len().iter_rows()) if quarantine.height else {}
         n_t = dict(turns.group_by("user_id").len().iter_rows()) if turns.height else {}
