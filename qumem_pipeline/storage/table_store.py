@@ -193,7 +193,8 @@ class TableStore:
         df = pl.from_arrow(arrow)
         if not isinstance(df, pl.DataFrame):  # pragma: no cover - from_arrow of a table is a frame
             df = df.to_frame()
-        return self._restore(dt, df).sort(KEY, maintain_order=True)
+        df = self._restore(dt, df)
+        return df if df[KEY].is_sorted() else df.sort(KEY, maintain_order=True)
 
     def _read_users(self, table: str, dt: DeltaTable, ds, users: list[str], buckets: list[int], cols):
         """Rows of sorted `users` from their buckets' files, reading only the row groups whose
@@ -324,7 +325,9 @@ class TableStore:
             pl.col(KEY).is_in(empty).alias(PLACEHOLDER) if empty else pl.lit(False).alias(PLACEHOLDER))
         buckets = {u: user_bucket(u, n) for u in users}
         df = df.with_columns(pl.col(KEY).replace_strict(buckets, return_dtype=pl.Int32).alias(BUCKET))
-        df = df.select([KEY, BUCKET, PLACEHOLDER, *target.keys()]).sort(KEY, maintain_order=True)
+        df = df.select([KEY, BUCKET, PLACEHOLDER, *target.keys()])
+        if not df[KEY].is_sorted():  # rows usually come in user order already: skip a copy of every column
+            df = df.sort(KEY, maintain_order=True)
         arrow = df.to_arrow()
         commit = CommitProperties(custom_metadata={"qumem.operation": operation, "qumem.users": str(len(users))})
         if dt is None:
