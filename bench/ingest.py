@@ -192,6 +192,9 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
             "ratio": round(base["seconds"] / ingest["seconds"], 3),
             "turns_per_s": round(base["rows"] / ingest["seconds"]),
             "peak_rss_mb": ingest["peak_rss_mb"], "baseline_peak_rss_mb": base["peak_rss_mb"],
+            # CPU seconds (all threads) of each child: the work done, steadier than wall time under load
+            "baseline_cpu_s": base["cpu_s"], "ingest_cpu_s": ingest["cpu_s"],
+            "cpu_ratio": round(base["cpu_s"] / ingest["cpu_s"], 3),
             "ingest_stages_s": ingest["stages_s"],
             "incremental_s": inc["seconds"], "incremental_users_rebuilt": inc["users_rebuilt"],
             "incremental_ratio": round(inc["seconds"] / ingest["seconds"], 4),
