@@ -132,6 +132,8 @@ def phase(name: str, work: Path) -> dict:
     elif name == "readers":
         out.update(compare_readers(sorted(archive.glob("*.jsonl"))))
     out["seconds"] = round(time.perf_counter() - t, 3)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 2)  # all threads: steadier than wall time on a busy box
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return out
 
@@ -190,6 +192,9 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
             "ratio": round(base["seconds"] / ingest["seconds"], 3),
             "turns_per_s": round(base["rows"] / ingest["seconds"]),
             "peak_rss_mb": ingest["peak_rss_mb"], "baseline_peak_rss_mb": base["peak_rss_mb"],
+            # CPU seconds (all threads) of each child: the work done, steadier than wall time under load
+            "baseline_cpu_s": base["cpu_s"], "ingest_cpu_s": ingest["cpu_s"],
+            "cpu_ratio": round(base["cpu_s"] / ingest["cpu_s"], 3),
             "ingest_stages_s": ingest["stages_s"],
             "incremental_s": inc["seconds"], "incremental_users_rebuilt": inc["users_rebuilt"],
             "incremental_ratio": round(inc["seconds"] / ingest["seconds"], 4),

@@ -324,3 +324,54 @@ def test_failing_blocking_check_commits_nothing_and_the_next_sync_redoes(archive
     r = sync_archive(cfg, layout)
     assert r.files_read == 3  # still pending: read again
     assert_tables_equal_one_shot(layout, archive)
+
+
+def test_spill_groups_whole_store_buckets_one_file_per_partition(archive, tmp_path):
+    """A spilled first sync merges whole store partitions per group: each partition of each table
+    gets one data file, whatever the number of groups."""
+    from deltalake import DeltaTable
+
+    layout = DataLayout(tmp_path / "data", n_buckets=4)
+    seen = []
+    real = sync._Sync._rebuild
+
+    def spy(self, us, st, q):
+        seen.append(list(us))
+        return real(self, us, st, q)
+
+    sync._Sync._rebuild = spy
+    try:
+        size = sum(f.stat().st_size for f in archive.glob("*.jsonl"))
+        r = sync_archive(ArchiveConfig(str(archive)), layout, bucket_bytes=size // 2)  # spilled, no bucket split
+    finally:
+        sync._Sync._rebuild = real
+    assert len(seen) > 1 and r.users_rebuilt == sum(map(len, seen))
+    for table in ("turns", "fingerprints", sync.FILE_USERS_TABLE):
+        parts = [Path(f).parent.name for f in DeltaTable(layout.table_dir(table)).file_uris()]
+        assert len(parts) == len(set(parts)), table  # one file per partition
+    assert_tables_equal_one_shot(layout, archive)
+
+
+def test_later_turns_are_appended_without_rewriting_stored_files(tmp_path):
+    """A new file that only adds later turns: the users' stored turn files stay in the table
+    (an append commit), and the tables still equal a one-shot read."""
+    from deltalake import DeltaTable
+
+    d = tmp_path / "archive"
+    write_jsonl(d / "a.jsonl", _rows("alice", "c1", "01-01", ["a0", "a1", "a2"]) + _rows("bob", "b1", "01-01", ["b0"]))
+    cfg = ArchiveConfig(str(d))
+    layout = DataLayout(tmp_path / "data")
+    sync_archive(cfg, layout)
+    before = set(DeltaTable(layout.table_dir("turns")).file_uris())
+    write_jsonl(d / "b.jsonl", _rows("alice", "c1", "02-01", ["a3"], ref0=3) + _rows("carol", "k1", "02-01", ["k0"]))
+    sync_archive(cfg, layout)
+    dt = DeltaTable(layout.table_dir("turns"))
+    assert before <= set(dt.file_uris())  # nothing of the stored history was rewritten
+    assert dt.history(1)[0]["operation"] in ("WRITE", "CREATE TABLE")
+    assert_tables_equal_one_shot(layout, d)
+    # a file that inserts a turn *before* stored ones (same time, earlier path) replaces: indices shift
+    write_jsonl(d / "0.jsonl", _rows("alice", "c0", "01-01", ["z0"]))
+    sync_archive(cfg, layout)
+    alice = layout.read_table("turns", ["alice"]).sort("turn_index")
+    assert alice["text"].to_list()[:2] == ["z0", "a0"]
+    assert_tables_equal_one_shot(layout, d)

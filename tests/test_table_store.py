@@ -269,3 +269,29 @@ def test_maintenance_job_compacts_and_keeps_rows(tmp_path, monkeypatch):
     fresh = DataLayout(tmp_path / "data")
     assert len(fresh.store.files("turns")) <= 2 < n_files and fresh.read_table("turns").equals(before)
     assert _data_files(tmp_path / "data" / "turns") == set(map(Path, fresh.store.files("turns")))
+
+
+def test_user_read_decodes_only_row_groups_holding_the_users(tmp_path, monkeypatch):
+    """Files are sorted by user_key in small row groups; a read of a few users opens only the
+    row groups whose key range holds one of them (pyarrow's isin filter would decode them all),
+    and returns exactly the rows a full read filtered to those users gives."""
+    import pyarrow.parquet as pq
+    from deltalake import WriterProperties
+
+    from qumem_pipeline.storage import table_store
+
+    monkeypatch.setattr(table_store, "_WRITER", WriterProperties(compression="ZSTD", max_row_group_size=6))
+    store = TableStore(tmp_path, n_buckets=2)
+    users = [f"user{i:02d}" for i in range(40)]
+    store.replace_keyed("turns", users, _rows(users))  # 3 rows per user, 2 users per row group
+    assert all(pq.ParquetFile(f).metadata.num_row_groups > 5 for f in store.files("turns"))
+    wanted = ["user03", "user17", "user38"]
+    seen = []
+    real = table_store._row_groups_holding
+    monkeypatch.setattr(table_store, "_row_groups_holding", lambda md, us: seen.append(real(md, us)) or seen[-1])
+    got = store.read("turns", wanted)
+    full = store.read("turns")
+    assert got.equals(full.filter(pl.col("user_key").is_in(wanted)))
+    assert got["user_key"].unique().sort().to_list() == wanted
+    assert 0 < sum(len(k) for k in seen) <= len(wanted) * 2  # a user's 3 rows span at most 2 groups
+    assert store.read("turns", ["nobody"]).height == 0

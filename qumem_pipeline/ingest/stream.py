@@ -16,6 +16,7 @@ count them: `READS` counts the files opened for reading.
 import hashlib
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,9 +109,13 @@ def _jsonl_scan_or_blocks(path: Path, chunk_bytes: int, hasher=None, batch_rows:
     from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
     from qumem_pipeline.ingest.importers.canonical import SOURCE_COLUMNS, _suspect_expr
 
-    n_lines = _hash_and_count_lines(path, hasher)
-    if n_lines == 0:
+    if os.stat(path).st_size == 0:
         return
+    # The hash and the line count (rows must be lines) take a pass of their own over the bytes:
+    # on a thread, beside the scan (sha256 releases the GIL), so the file costs one pass of time.
+    counting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qumem-hash")
+    lines = counting.submit(_hash_and_count_lines, path, hasher)
+    counting.shutdown(wait=False)
     src = str(path)
     seen = 0
     try:
@@ -139,12 +144,15 @@ def _jsonl_scan_or_blocks(path: Path, chunk_bytes: int, hasher=None, batch_rows:
             batch = ready(pending)
             seen += batch.raw.height
             yield batch
-        if seen != n_lines:  # blank lines: rows are not lines
+        if seen != lines.result():  # blank lines: rows are not lines
             raise _GiveUp
     except Exception:  # noqa: BLE001 - a bad line, a non-string value, blank lines: the block reader decides
         if seen:
             yield RESTART
+        lines.result()  # the hash is complete before the file's batches are (the caller reads it after)
         yield from _jsonl_batches(path, chunk_bytes, None)
+    finally:
+        lines.result()
 
 
 class _GiveUp(Exception):

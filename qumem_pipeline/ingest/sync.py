@@ -6,13 +6,22 @@
    gone (a stat per file; a hash only where size or mtime moved).
 2. Each new or changed file is read in bounded batches (ingest/stream.py); each batch gets the
    row rules (validate.check_rows); its candidate rows are spilled to a local scratch directory,
-   split into user buckets, so no step holds more than one bucket of the archive in memory.
-3. Bucket by bucket, every *affected* user (a user with rows in a read, changed or gone file)
-   is rebuilt: their stored rows from the other files (turns, plus the rare rows held back as
-   duplicates) + the new rows, through the same duplicate rule and history order as the
-   whole-archive path (validate.merge_candidates). Turns, quarantine, duplicates, per-user file
-   list and fingerprints are replaced for those users only (one `replace_users` call per table
-   and bucket where the layout has it).
+   split by the table store's own user bucket (contracts/buckets.py; a store bucket is cut in
+   hash pieces only when one bucket of the read is over the memory budget).
+3. Spill buckets are merged in groups of whole store buckets whose staged bytes (plus stored
+   history) fit `bucket_bytes`, so no step holds more than one group in memory, each store
+   partition gets about one new file per run and each commit touches only its group's
+   partitions (before this, each group's commit touched all 64: ~1,500 files per table at 10M
+   turns, and every commit and read scanned them all). In each group every *affected* user (a
+   user with rows in a read, changed or gone file) is rebuilt: their stored rows from the other
+   files (turns, plus the rare rows held back as duplicates) + the new rows, through the same
+   duplicate rule and history order as the whole-archive path (validate.merge_candidates).
+   Turns, quarantine, duplicates, per-user file list and fingerprints are written for those
+   users only, one commit per table and group, on a writer thread while the next group merges.
+   A user whose stored turns are an unchanged prefix of the rebuilt history (a later file only
+   added turns) gets only the new turns appended, so the files holding their history are not
+   rewritten (Delta rewrites whole files on a replace); sparse tables with nothing stored and
+   nothing new are not written.
 4. The manifest is written last. Before any user is written, the files being read are marked
    pending in it, so a run killed half-way is finished by the next one (a pending file counts as
    changed: its rows leave every affected user first).
@@ -32,10 +41,13 @@ explicit turn_index of the source row, if any).
 """
 
 import fcntl
+import functools
 import hashlib
 import math
+import operator
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -45,6 +57,7 @@ from pathlib import Path
 
 import polars as pl
 
+from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
 from qumem_pipeline.contracts.ids import valid_user_id_expr
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.contracts.stage_versions import stage_version
@@ -97,7 +110,8 @@ class SyncReport:
     rows_read: int = 0
     quarantined_read: int = 0
     seconds: float = 0.0
-    stages_s: dict = field(default_factory=lambda: {"read_check_spill": 0.0, "merge": 0.0, "fingerprints": 0.0, "write": 0.0})
+    stages_s: dict = field(default_factory=lambda: {"read_check_spill": 0.0, "merge": 0.0, "fingerprints": 0.0, "write": 0.0,
+                                                             "write_wait": 0.0})
 
     def _add(self, stage: str, since: float) -> float:
         now = time.perf_counter()
@@ -165,29 +179,61 @@ class _Sync:
 
     def run(self, chunk_bytes: int, batch_rows: int, bucket_bytes: int) -> None:
         read_bytes = sum(f.size for f in self.plan.to_read)
-        self.n_buckets = max(1, math.ceil(read_bytes / bucket_bytes))
+        # Spill by the store's own user buckets (cut into `n_sub` pieces when one store bucket of
+        # the read is over the memory budget), so each merge group covers whole store partitions:
+        # every partition gets about one new file per run, and each commit touches only its group's.
+        self.n_store = _store_buckets(self.layout)
+        self.spill = read_bytes > bucket_bytes
+        self.n_sub = max(1, math.ceil(read_bytes / self.n_store / bucket_bytes))
+        self._bucket_of: dict[str, int] = {}
         # Pending first: a run killed from here on is redone by the next (see module doc).
         _write_manifest(self.layout, self.plan, {}, self.version, pending=True)
         scratch = Path(tempfile.mkdtemp(prefix="qumem-ingest-"))
+        self._writer, self._pending_write = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qumem-ingest-write"), None
+        self._store_lock = threading.Lock()
         try:
             t = time.perf_counter()
             new_q = self._stage(scratch, chunk_bytes, batch_rows)
             self.report._add("read_check_spill", t)
-            users_by_bucket = self._affected_users(scratch, new_q)
+            users_by_key = self._affected_users(new_q)
             attributed = new_q.filter(valid_user_id_expr())
-            history = self._stored_rows([u for us in users_by_bucket.values() for u in us])
+            history = self._stored_rows([u for us in users_by_key.values() for u in us])
             max_rows = max(1, bucket_bytes // _STORED_ROW_BYTES)
-            for b in range(self.n_buckets):
-                groups = _groups(users_by_bucket.get(b, []), history, max_rows)
-                staged = self._staged(scratch / f"bucket={b}")
+            for keys in self._key_groups(scratch, users_by_key, history, bucket_bytes):
+                users_all = [u for k in keys for u in users_by_key[k]]
+                groups = _groups(users_all, history, max_rows) if len(keys) == 1 or not self.spill else [users_all]
+                staged = self._staged([scratch / f"bucket={k}" for k in keys])
                 for users in groups:
                     mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
                     self._rebuild(users, mine, attributed.filter(pl.col("user_id").is_in(users)))
                 del staged
+            t = time.perf_counter()
+            self._drain()
+            self.report._add("write_wait", t)
             self._rebuild_unattributed(new_q.filter(~valid_user_id_expr()))
         finally:
+            # A failure elsewhere still lets the write in flight finish before the lock is released.
+            self._writer.shutdown(wait=True)
             shutil.rmtree(scratch, ignore_errors=True)
         _write_manifest(self.layout, self.plan, self.file_stats, self.version)
+
+    def _key_groups(self, scratch: Path, users_by_key: dict[int, list[str]], history: dict[str, int],
+                    bucket_bytes: int) -> list[list[int]]:
+        """Spill keys (store bucket order) cut into runs whose staged bytes plus stored history
+        stay under `bucket_bytes`: one merge and one commit per table for each run."""
+        if not self.spill:  # everything read is held in memory: one group
+            return [sorted(users_by_key)] if users_by_key else []
+        groups, cur, size = [], [], 0
+        for k in sorted(users_by_key):
+            d = scratch / f"bucket={k}"
+            cost = sum(p.stat().st_size for p in d.glob("*.arrow")) if d.exists() else 0
+            cost += _STORED_ROW_BYTES * sum(history.get(u, 0) for u in users_by_key[k])
+            if cur and size + cost > bucket_bytes:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(k)
+            size += cost
+        return groups + [cur] if cur else groups
 
     # --- 2. read, check, spill -------------------------------------------------------------
     def _stage(self, scratch: Path, chunk_bytes: int, batch_rows: int) -> pl.DataFrame:
@@ -224,11 +270,11 @@ class _Sync:
                        KEEP_PREFIX + "source_row": pl.col("source_row"),
                        KEEP_PREFIX + "source_pos": pl.col("_pos"),
                        KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
-                    _bucket=self._bucket(pl.col("user_id")),
                 )
+                good = good.with_columns(_bucket=self._keys(good["user_id"]))
                 rows += good.height
                 self.staged_users.append(good.select(pl.col("user_id").unique()))
-                if self.n_buckets == 1:  # all of it is one bucket's worth: no spill
+                if not self.spill:  # all of it is one group's worth: no spill
                     self.in_memory.append(good.drop("_bucket"))
                     continue
                 for (b,), chunk in good.partition_by("_bucket", as_dict=True).items():
@@ -244,8 +290,16 @@ class _Sync:
             self.report.quarantined_read += bad
         return pl.concat(quarantine, how="vertical") if quarantine else pl.DataFrame(schema=QUARANTINE_POLARS_SCHEMA)
 
-    def _bucket(self, col: pl.Expr) -> pl.Expr:
-        return (col.hash(seed=0) % self.n_buckets).cast(pl.Int64)
+    def _keys(self, users: pl.Series) -> pl.Series:
+        """Spill key of each row's user: store bucket * n_sub + a hash piece of it."""
+        cache = self._bucket_of
+        fresh = [u for u in users.unique().to_list() if u not in cache]
+        for u in fresh:
+            cache[u] = user_bucket(u, self.n_store)
+        store = users.replace_strict(cache, return_dtype=pl.Int64)
+        if self.n_sub == 1:
+            return store.alias("_bucket")
+        return (store * self.n_sub + (users.hash(seed=0) % self.n_sub).cast(pl.Int64)).alias("_bucket")
 
     def _not_forgotten(self, df: pl.DataFrame) -> pl.DataFrame:
         if self.forgotten is None or not len(self.forgotten) or df.height == 0:
@@ -253,8 +307,8 @@ class _Sync:
         gone = [u for u in df["user_id"].drop_nulls().unique().to_list() if self.forgotten.contains(u)]
         return df.filter(pl.col("user_id").is_null() | ~pl.col("user_id").is_in(gone)) if gone else df
 
-    def _affected_users(self, scratch: Path, new_q: pl.DataFrame) -> dict[int, list[str]]:
-        """bucket -> users to rebuild: users of the files read, plus the old users of changed,
+    def _affected_users(self, new_q: pl.DataFrame) -> dict[int, list[str]]:
+        """spill key -> users to rebuild: users of the files read, plus the old users of changed,
         pending and gone files (from the per-user file lists)."""
         frames = list(self.staged_users)
         frames.append(new_q.filter(valid_user_id_expr()).select("user_id"))
@@ -262,18 +316,20 @@ class _Sync:
             held = self.layout.read_table(FILE_USERS_TABLE)
             if held is not None:
                 frames.append(held.filter(pl.col("file_id").is_in(sorted(self.dropped))).select("user_id"))
-        users = pl.concat(frames, how="vertical").unique().with_columns(_b=self._bucket(pl.col("user_id")))
+        users = pl.concat(frames, how="vertical").unique()
+        users = users.with_columns(_b=self._keys(users["user_id"]))
         if self.forgotten is not None and len(self.forgotten):
             users = users.filter(~pl.col("user_id").map_elements(self.forgotten.contains, return_dtype=pl.Boolean))
         return {b: sorted(g["user_id"].to_list()) for (b,), g in users.partition_by("_b", as_dict=True).items()}
 
     # --- 3. rebuild the affected users of one bucket ------------------------------------------
-    def _staged(self, staged_dir: Path) -> pl.DataFrame:
-        """One bucket's staged candidates (spilled, or held when all of it was one bucket)."""
+    def _staged(self, staged_dirs: list[Path]) -> pl.DataFrame:
+        """One group's staged candidates (spilled, or held when all of it was one group)."""
         parts = [_empty_candidates()] + self.in_memory
         self.in_memory = []
-        if staged_dir.exists():
-            parts += [pl.read_ipc(p) for p in sorted(staged_dir.glob("*.arrow"))]
+        for d in staged_dirs:
+            if d.exists():
+                parts += [pl.read_ipc(p) for p in sorted(d.glob("*.arrow"))]
         return pl.concat(parts, how="diagonal_relaxed", rechunk=True)  # a chunked frame sorts/gathers ~2x slower
 
     def _stored_rows(self, users: list[str]) -> dict[str, int]:
@@ -285,9 +341,13 @@ class _Sync:
 
     def _rebuild(self, users: list[str], staged: pl.DataFrame, new_q: pl.DataFrame) -> None:
         t = time.perf_counter()
-        parts = [_turns_to_candidates(self._kept(self.layout.read_table("turns", users))),
-                 _duplicates_to_candidates(self._kept(self.layout.read_table(DUPLICATES_TABLE, users))),
-                 staged]
+        parts = [staged]
+        stored_turns = stored_dups = None
+        if self.plan.old:  # with no manifest yet, stored rows belong to files read again (see _kept)
+            with self._store_lock:  # table handles are not shared across threads mid-call
+                stored_turns = self.layout.read_table("turns", users)
+                stored_dups = self.layout.read_table(DUPLICATES_TABLE, users)
+            parts += [_turns_to_candidates(self._kept(stored_turns)), _duplicates_to_candidates(self._kept(stored_dups))]
         candidates = pl.concat([_empty_candidates()] + [p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
             _pos=(pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE)
             + pl.col(KEEP_PREFIX + "source_pos")
@@ -295,7 +355,8 @@ class _Sync:
         turns, dups, dup_q = merge_candidates(candidates)
         if self.cfg.strict:
             raise_if_bad(dup_q)
-        old_q = self.layout.read_table("quarantine", users) if self.plan.old else None
+        with self._store_lock:
+            old_q = self.layout.read_table("quarantine", users) if self.plan.old else None
         kept_q = None
         if old_q is not None:
             kept_q = old_q.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped))
@@ -309,7 +370,10 @@ class _Sync:
             quarantine.select("user_id", file_id=pl.col("source_file").replace_strict(self.path_ids, default=None)),
         ], how="vertical").drop_nulls().unique().sort("user_id", "file_id").cast(FILE_USERS_SCHEMA)
         t = self.report._add("merge", t)
-        fps = UserRuns(turns).fingerprints()
+        fps: dict[str, str] = {}
+        with ThreadPoolExecutor(max_workers=2) as pool:  # building lines and sha256 release the GIL
+            for block in pool.map(lambda b: b.hash(), UserRuns(turns).fingerprint_blocks()):
+                fps.update(block)
         t = self.report._add("fingerprints", t)
         n_q = dict(quarantine.group_by("user_id").len().iter_rows()) if quarantine.height else {}
         n_t = dict(turns.group_by("user_id").len().iter_rows()) if turns.height else {}
@@ -321,14 +385,66 @@ class _Sync:
         )
         if self.before_commit is not None:  # blocking checks on the rows: a failure commits nothing of them
             self.before_commit(turns, quarantine)
-        replace_users(self.layout, "turns", users, turns, dense=True)
-        replace_users(self.layout, "quarantine", users, quarantine)
-        replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
-        replace_users(self.layout, FILE_USERS_TABLE, users, file_users)
-        # Recorded only after the users' data is in place: a fingerprint vouches for its turns.
-        replace_users(self.layout, "fingerprints", users, fingerprints, dense=True)
-        self.report._add("write", t)
-        self.report.users_rebuilt += len(users)
+
+        def write() -> None:
+            with self._store_lock:
+                _write(time.perf_counter())
+
+        def _write(w: float) -> None:
+            self._write_turns(users, turns, stored_turns)
+            if self._may_hold(old_q, quarantine):
+                replace_users(self.layout, "quarantine", users, quarantine)
+            if self._may_hold(stored_dups, dup_rows):
+                replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
+            self._write_file_users(users, file_users)
+            # Recorded only after the users' data is in place: a fingerprint vouches for its turns.
+            replace_users(self.layout, "fingerprints", users, fingerprints, dense=True)
+            self.report._add("write", w)
+            self.report.users_rebuilt += len(users)
+
+        self._submit(write)
+
+    def _submit(self, write) -> None:
+        """Run one group's writes on the writer thread while the next group merges (delta-rs
+        encodes and commits without the GIL): at most one group's writes in flight, in order."""
+        t = time.perf_counter()
+        self._drain()
+        self._pending_write = self._writer.submit(write)
+        self.report._add("write_wait", t)
+
+    def _drain(self) -> None:
+        """Wait for the group in flight; its failure is raised here."""
+        pending, self._pending_write = self._pending_write, None
+        if pending is not None:
+            pending.result()
+
+    def _may_hold(self, stored: pl.DataFrame | None, rows: pl.DataFrame) -> bool:
+        """Whether a sparse table needs a write for these users: rows to write, or stored rows to
+        remove (known only once there is a manifest: before it, stale rows may exist unread)."""
+        return not self.plan.old or rows.height > 0 or (stored is not None and stored.height > 0)
+
+    def _write_turns(self, users: list[str], turns: pl.DataFrame, stored: pl.DataFrame | None) -> None:
+        """Users whose stored turns stay exactly as they are (same rows, same turn_index: a later
+        file only added turns after them) get just their new turns appended, so the files that
+        hold their history are not rewritten; every other user's turns are replaced."""
+        tail, rest = _appendable(users, turns, stored, self.dropped) if hasattr(self.layout, "store") else (None, users)
+        if tail is not None and tail.height:
+            self.layout.store.append("turns", tail)
+        if rest:
+            mine = turns if len(rest) == len(users) else turns.filter(pl.col("user_id").is_in(rest))
+            replace_users(self.layout, "turns", rest, mine, dense=True)
+
+    def _write_file_users(self, users: list[str], rows: pl.DataFrame) -> None:
+        """Per-user file list: when no stored pair goes away, only the new pairs are appended."""
+        stored = self.layout.read_table(FILE_USERS_TABLE, users) if self.plan.old and hasattr(self.layout, "store") else None
+        if stored is not None:
+            stored = stored.select(list(FILE_USERS_SCHEMA)).cast(FILE_USERS_SCHEMA)
+            if stored.join(rows, on=list(FILE_USERS_SCHEMA), how="anti").height == 0:
+                added = rows.join(stored, on=list(FILE_USERS_SCHEMA), how="anti")
+                if added.height:
+                    self.layout.store.append(FILE_USERS_TABLE, added)
+                return
+        replace_users(self.layout, FILE_USERS_TABLE, users, rows)
 
     def _kept(self, df: pl.DataFrame | None) -> pl.DataFrame | None:
         """Stored rows that stay: those from files not read again and not gone. Rows written
@@ -344,6 +460,43 @@ class _Sync:
             old = old.filter(~pl.col("source_file").replace_strict(self.path_ids, default="").is_in(sorted(self.dropped)))
         q = pl.concat([x for x in (old, new_q) if x is not None], how="vertical_relaxed").cast(dict(QUARANTINE_POLARS_SCHEMA))
         self.layout.write_user_table("quarantine", UNATTRIBUTED, q.select(list(QUARANTINE_POLARS_SCHEMA)))
+
+
+def _appendable(users: list[str], turns: pl.DataFrame, stored: pl.DataFrame | None, dropped: set[str]) -> tuple[pl.DataFrame | None, list[str]]:
+    """(the new turns of users whose stored turns are an unchanged prefix of their rebuilt history,
+    the other users). A user qualifies when none of their stored rows comes from a file being
+    dropped and their first n rebuilt turns equal their n stored turns in every column."""
+    if stored is None or stored.height == 0 or turns.height == 0:
+        return None, users
+    cols = turns.columns
+    if any(c not in stored.columns or stored.schema[c] != turns.schema[c] for c in cols):
+        return None, users
+    stored = stored.select(cols).sort("user_id", "turn_index")
+    n = stored.group_by("user_id").agg(_n=pl.len(), _bad=pl.col("source_file_id").is_in(sorted(dropped)).any()
+                                       | pl.col("source_file_id").is_null().any())
+    have = turns.group_by("user_id").agg(_m=pl.len())
+    ok = n.join(have, on="user_id", how="inner").filter(~pl.col("_bad") & (pl.col("_m") >= pl.col("_n")))
+    ok_users = ok["user_id"]
+    a = stored.filter(pl.col("user_id").is_in(ok_users))
+    b = turns.join(ok.select("user_id", "_n"), on="user_id", how="inner").filter(pl.col("turn_index") < pl.col("_n"))
+    b = b.sort("user_id", "turn_index").select(cols)
+    if a.height != b.height:  # cannot happen when both are numbered 0..n-1; be safe
+        return None, users
+    changed = set()
+    if a.height:
+        differs = functools.reduce(operator.or_, [a[c].ne_missing(b[c]) for c in cols])
+        changed = set(a.filter(differs)["user_id"].unique().to_list())
+    good = set(ok_users.to_list()) - changed
+    tail = turns.join(ok.filter(pl.col("user_id").is_in(sorted(good))).select("user_id", "_n"), on="user_id", how="inner")
+    tail = tail.filter(pl.col("turn_index") >= pl.col("_n")).drop("_n")
+    rest = [u for u in users if u not in good]
+    return tail, rest
+
+
+def _store_buckets(layout) -> int:
+    """The store's bucket count for the turns table (fixed at its creation), or the default."""
+    store = getattr(layout, "store", None)
+    return store.buckets_of("turns") if store is not None else DEFAULT_BUCKETS
 
 
 def _groups(users: list[str], stored: dict[str, int], max_rows: int) -> list[list[str]]:

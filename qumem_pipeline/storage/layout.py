@@ -65,7 +65,13 @@ def _check_key(user_id: str) -> str:
 
 def _data(df: pl.DataFrame) -> pl.DataFrame:
     """A store read as the stage wrote it: placeholder rows and store columns dropped."""
-    return df.filter(~pl.col(PLACEHOLDER)).drop([c for c in STORE_COLUMNS if c in df.columns])
+    if df[PLACEHOLDER].any():  # else skip a copy of every column
+        df = df.filter(~pl.col(PLACEHOLDER))
+    return df.drop([c for c in STORE_COLUMNS if c in df.columns])
+
+
+def _ascending(users: list[str]) -> bool:
+    return all(a < b for a, b in zip(users, users[1:]))
 
 
 class DataLayout:
@@ -137,7 +143,7 @@ class DataLayout:
         df = self.store.read(table, None if user_ids is None else [_check_key(u) for u in user_ids])
         if df is None or df.height == 0:
             return None
-        if user_ids is not None:
+        if user_ids is not None and not _ascending(user_ids):  # the store returns user order already
             order = {u: i for i, u in enumerate(dict.fromkeys(user_ids))}
             df = df.with_columns(pl.col(KEY).replace_strict(order, return_dtype=pl.Int64).alias("__o")) \
                 .sort("__o", maintain_order=True).drop("__o")
