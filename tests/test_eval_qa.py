@@ -135,8 +135,14 @@ def test_every_strategy_answers_and_is_scored(toy, embedder, tmp_path):
     assert "(Ann) Ann adopted a golden retriever" in ctx["topk_memories"][0]  # owner named, dated
     assert "[1 May 2023]" in ctx["topk_memories"][0]
     assert len(ctx["qumem"]) == 10  # qumem's Z_q and adamem's research notes both render as a state
-    assert sum("fact: Ann's dog is named Rex." in t for t in ctx["qumem"]) == 5
-    assert sum("fact: The research notes say the dog is Rex." in t for t in ctx["qumem"]) == 5
+    # both states cite M1 (the dog memory): their facts are shown as that memory, verbatim and dated, not
+    # as the state's restatement
+    # (qumem's M1 is the dog memory, adamem's M1 the turn it came from: each shown as that unit)
+    head = "Relevant facts (the memories the state selected, with dates):\n- [1 May 2023] "
+    bad = [t for t in ctx["qumem"] if not any(head + u in t for u in (
+        "(Ann) Ann adopted a golden retriever puppy named Rex.", "Ann: I adopted a golden retriever puppy named Rex"))]
+    assert not bad, bad[0]
+    assert not [t for t in ctx["qumem"] if "Ann's dog is named Rex." in t or "research notes say" in t]
     # qumem ran A1 -> A2 -> A3 and adamem its research loop, one batch per stage; AdaMem's working answer too
     kinds = [r["body"]["messages"][0]["content"].split(".")[0] for r in requests]
     assert sum("information-need agent" in k for k in kinds) == 5
@@ -304,23 +310,31 @@ def test_answer_step_sees_the_dates_of_what_a_state_cites():
         "M1 [fact, stated 20 January 2023]: lost his job yesterday", "M2 [fact, turn 4]: no date"]
 
 
-def test_a_state_is_followed_by_its_evidence_within_the_word_budget():
+def test_a_state_is_rendered_as_its_evidence_within_the_word_budget():
     from datetime import datetime, timezone
 
     from qumem_pipeline.eval.locomo.qa_contexts import StateRow, render_grounded
 
     d = datetime(2023, 5, 7, tzinfo=timezone.utc)
-    state = {"facts": [{"statement": "Jon paints", "memory_ids": ["m2"]}], "preference_trajectory": [], "insights": []}
+    state = {"facts": [{"statement": "Jon paints", "memory_ids": ["m2"]},
+                       {"statement": "Jon has a studio", "memory_ids": ["gone"]}],
+             "preference_trajectory": [{"aspect": "art", "earlier": "oil", "current": "acrylic",
+                                        "applies_now_because": "faster", "memory_ids": ["m1"]}], "insights": []}
     texts = {"m1": "(Jon) Jon paints sunsets in oil", "m2": "(Jon) Jon took up painting", "turn:3": "Jon: I paint",
              "m3": " ".join(["long"] * 40)}
-    row = StateRow(state, cited=["m2"], candidates=["m1", "m3", "m2", "turn:3", "profile:x"])
-    text = render_grounded(row, texts, {"m1": d, "m2": d, "turn:3": d}, budget=41)  # 18 + 8 + 9 + 6 words
-    head, _, evidence = text.partition("Evidence it rests on")
-    assert "- fact: Jon paints [stated 7 May 2023]" in head
-    lines = evidence.splitlines()[1:]
-    # cited first, then candidates by rank; m3 does not fit and is passed over; m2 is shown once; no text, no line
-    assert lines == ["[7 May 2023] (Jon) Jon took up painting", "[7 May 2023] (Jon) Jon paints sunsets in oil",
-                     "[7 May 2023] Jon: I paint"]
-    assert len(text.split()) <= 41 + len("Evidence it rests on (memories and turns retrieved for this question, "
-                                          "with dates):".split())
+    row = StateRow(state, cited=["m2", "m1"], candidates=["m1", "m3", "m2", "turn:3", "profile:x"])
+    text = render_grounded(row, texts, {"m1": d, "m2": d, "turn:3": d}, budget=60)
+    lines = text.splitlines()
+    # a fact is the memory it cites, verbatim and dated; its statement only where no citation resolves
+    assert lines[1:4] == ["Relevant facts (the memories the state selected, with dates):",
+                          "- [7 May 2023] (Jon) Jon took up painting", "- Jon has a studio"]
+    assert lines[4].startswith("- preference (art): earlier oil; now acrylic (faster) [stated 7 May 2023]")
+    # then the other candidates, cited first, by rank, whole: m3 does not fit and is passed over, m2 is not
+    # repeated, a unit without text gets no line
+    assert lines[5:] == ["Other evidence retrieved for this question (with dates):",
+                         "[7 May 2023] (Jon) Jon paints sunsets in oil", "[7 May 2023] Jon: I paint"]
+    header_words = len("Other evidence retrieved for this question (with dates):".split())
+    assert len(text.split()) - header_words <= 60
     assert render_grounded(None, texts, None, 40).startswith("Inferred state: (none")
+    tight = render_grounded(row, texts, {"m1": d, "m2": d}, budget=10)
+    assert "Other evidence" not in tight and "Jon took up painting" in tight  # the state itself is never cut

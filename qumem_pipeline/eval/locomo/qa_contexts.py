@@ -238,31 +238,55 @@ def _state_rows(states: pl.DataFrame, questions: Sequence[QAQuestion]) -> list[S
 
 
 def render_grounded(row: "StateRow | None", texts: dict, dates: dict | None, budget: int) -> str:
-    """Z_q followed by the evidence it stands on, within the same word budget as the top-k contexts.
+    """Z_q grounded in its evidence, within the same word budget as the top-k contexts.
 
-    Why: the paper's state is the relevant facts, the preference trajectory and the applicable insights
-    *selected from* the retrieved memories; a 1.5B model's one-line restatement of a memory drops the
-    detail a question asks for ("what did she paint?"), so the answer step also sees the memories
-    themselves: first those the state cites, then the other candidates the plan retrieved, best score
-    first, each whole, until the budget (state lines included) is spent."""
-    head = render_state(row.state if row is not None else None, dates)
-    if row is None:
-        return head
-    spent = len(head.split())
-    lines, seen = [], set()
+    Why: the paper's relevant facts F_q are memories *selected* by the state agent; a 1.5B model's
+    one-line restatement of a memory drops or garbles the detail a question asks for ("what did she
+    paint?", measured: qumem F1 0.269 with restated facts first vs topk_memories 0.382 on the same
+    memories), so a fact is shown as the memories it cites, verbatim and dated (its statement only
+    where no citation resolves). The preference trajectory and insights, which are inferences, stay
+    as the state wrote them. The rest of the budget goes to the other retrieved candidates, best
+    score first, each whole."""
+    if row is None or row.state is None:
+        return render_state(None)
+    state = row.state
+
+    def dated(uid: str) -> str:
+        return f"[{_date(dates.get(uid)) if dates else 'unknown date'}] {texts[uid]}"
+
+    seen: set[str] = set()
+    facts: list[str] = []
+    for f in state.get("facts") or []:
+        cited = [u for u in f.get("memory_ids") or [] if u in texts and u not in seen]
+        if not cited and not any(u in seen for u in f.get("memory_ids") or []):
+            facts.append(f"- {f.get('statement', '')}{_cited_dates(f, dates)}")
+        for u in cited:
+            seen.add(u)
+            facts.append(f"- {dated(u)}")
+    rest = render_state({"facts": [], "preference_trajectory": state.get("preference_trajectory") or [],
+                         "insights": state.get("insights") or []}, dates).splitlines()[1:]
+    rest = [x for x in rest if x != "- (nothing relevant found)"]
+    head = ["Inferred state of the conversation's speakers, relevant to the question:"]
+    if facts:
+        head += ["Relevant facts (the memories the state selected, with dates):", *facts]
+    head += rest
+    if len(head) == 1:
+        head.append("- (nothing relevant found)")
+    spent = sum(len(x.split()) for x in head)
+    more: list[str] = []
     for uid in [*row.cited, *row.candidates]:
         if uid in seen or uid not in texts:
             continue
         seen.add(uid)
-        line = f"[{_date(dates.get(uid)) if dates else 'unknown date'}] {texts[uid]}"
+        line = dated(uid)
         n = len(line.split())
         if spent + n > budget:
             continue
-        lines.append(line)
+        more.append(line)
         spent += n
-    if not lines:
-        return head
-    return head + "\nEvidence it rests on (memories and turns retrieved for this question, with dates):\n" + "\n".join(lines)
+    if more:
+        head += ["Other evidence retrieved for this question (with dates):", *more]
+    return "\n".join(head)
 
 
 def _cited_dates(item: dict, dates: dict | None) -> str:

@@ -28,8 +28,9 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "
                  "required": ["answer"], "additionalProperties": False}
 # How contexts are rendered is part of what an answer depends on, so it is in the version (a checkpoint
 # row answered from an older rendering is answered again; the ledger still replays identical calls).
-CONTEXT_FORMAT = ("v3: state items carry the dates of what they cite; candidates and turns carry session dates; "
-                  "a state is followed by the memories it cites and the other retrieved candidates, within the word budget")
+CONTEXT_FORMAT = ("v4: state items carry the dates of what they cite; candidates and turns carry session dates; "
+                  "a state's facts are the memories they cite, verbatim; then the other retrieved candidates, "
+                  "within the word budget")
 ANSWER_PROMPT_VERSION = "locomo-qa-v2-" + hashlib.sha256(
     json.dumps([ANSWER_SYSTEM, ANSWER_INSTRUCTION, ANSWER_SCHEMA, ANSWER_MAX_TOKENS, CONTEXT_FORMAT],
                sort_keys=True).encode()).hexdigest()[:10]
