@@ -117,16 +117,30 @@ def _planned_users(instance: dg.DagsterInstance, tags) -> set[str] | None:
     return set(json.loads(stored[RUN_USERS_KV_PREFIX + digest]))
 
 
+# run id + partition keys -> that run's users, for the steps of one run executed by one process (the
+# in-process executor, `qumem run`): in the bucket scheme each lookup reads the whole user registry
+# (100,000 rows at 100,000 users), once per run instead of once per step. A few runs' worth is kept.
+_run_users_memo: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+_RUN_USERS_MEMO_SIZE = 8
+
+
 def users_for_run(context: dg.AssetExecutionContext) -> list[str]:
     """The users of this run, validated before they become paths or SQL: its partitions' users,
     narrowed to the run's planned users when it names them."""
     from qumem_pipeline.contracts.ids import validate_user_id
 
-    users = users_of_keys(context.instance, list(context.partition_keys))
+    memo_key = (context.run.run_id, tuple(context.partition_keys))
+    if memo_key in _run_users_memo:
+        return list(_run_users_memo[memo_key])
+    users = users_of_keys(context.instance, list(memo_key[1]))
     planned = _planned_users(context.instance, context.run.tags)
     if planned is not None:
         users = [u for u in users if u in planned]
-    return [validate_user_id(u) for u in users]
+    users = [validate_user_id(u) for u in users]
+    while len(_run_users_memo) >= _RUN_USERS_MEMO_SIZE:
+        _run_users_memo.pop(next(iter(_run_users_memo)))
+    _run_users_memo[memo_key] = users
+    return list(users)
 
 
 run_user_ids = users_for_run  # the name the asset bodies use
