@@ -1,12 +1,15 @@
 """Scale: the LLM-free stages over one generated archive, in real Dagster runs of 1, 10, 100 or 1,000 users.
 
     python bench/scale.py [--users 1000] [--turns 100] [--configs 1,10,100] [--scheme users|user_buckets]
-                          [--schemes users,user_buckets] [--stages turns,episodes,...] [--archive DIR] [--json]
+                          [--schemes users,user_buckets] [--stages turns,episodes,...] [--archive DIR]
+                          [--instance sqlite|postgres] [--max-runs N] [--ui] [--json]
 
 Every configuration reads the SAME archive (generated once, or --archive), because every `turns` run
 reads the whole archive: per-turn rates of configurations over different archives do not compare.
-Each configuration starts from an empty data root and a fresh (SQLite) Dagster instance, configured
-by the repository's dagster.yaml exactly as `qumem` sets up a new DAGSTER_HOME, in the partition
+Each configuration starts from an empty data root and a fresh Dagster instance, configured by the
+repository's dagster.yaml (SQLite) exactly as `qumem` sets up a new DAGSTER_HOME, or with
+--instance postgres by deploy/postgres/dagster.yaml on a fresh database of the DAGSTER_PG_* server
+(`eval "$(bash scripts/install_system_deps.sh)"`; dropped afterwards), in the partition
 scheme of QUMEM_PARTITION_SCHEME (--scheme; --schemes runs this script once per scheme, on the same
 archive, and reports them side by side). It is driven by the nightly schedule itself
 (assets/schedules.py) with users_per_run = each of --configs: its first evaluation registers every
@@ -25,16 +28,21 @@ After a configuration has built every user:
   partitions/backfill policy): one memory per user utterance, citing that turn, typed round-robin.
   `memory_embeddings`/`memory_indexes` then run for real on as many sentences as there are user turns.
 * Stage time = the `seconds` metadata each asset records around its own code; orchestration overhead
-  = run wall time (execute_in_process, including per-run model loads) - stage time, as a share of wall.
+  = run wall time (execute_in_process, including model loads) - stage time, as a share of wall.
+  Models are loaded once per process (resources/models.py), so the first run carries the load:
+  `first_run` and `later_runs_overhead` say how much of the overhead that is.
+* --max-runs N executes only the first N runs of the plan: a SLICE of the rebuild (`slice: true`),
+  whose nightly re-check then requests the runs not yet built (`second_nightly_expected_runs`).
+* --ui: after the largest configuration, bench/ui_load.py opens the `turns` asset's Partitions page
+  on that instance in headless Chromium (`ui_load_s`; tests/test_ui_browser.py's harness).
 * Bound = the turns/s the two models alone allow: the classifier's raw forward over exactly the pairs
   the episodes stage classified, plus the embedder's raw forward over exactly the memory sentences,
   both measured in this run on pre-tokenised batches. bound_ratio = achieved turns/s (all stages,
   all orchestration, at the largest users-per-run) / bound.
 
-The issue's 100,000-user target (2 turns each, runs of 1,000 users, bucket scheme), about 30 minutes
-on an unloaded 2-core machine:
+The issue's 100,000-user target (2 turns each, runs of 1,000 users, bucket scheme, PostgreSQL):
     QUMEM_PARTITION_SCHEME=user_buckets python bench/scale.py --users 100000 --turns 2 --configs 1000 \
-        --stages turns,episodes,memories,memory_embeddings,memory_indexes --json
+        --instance postgres --ui --no-bound --json            # add --max-runs 10 for a 10-run slice
 and the tick at 100,000 users alone (ingest only, large runs): --stages turns --configs 10000.
 
 With --json the last printed line is one JSON object.

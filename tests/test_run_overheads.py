@@ -57,3 +57,31 @@ def test_steps_of_one_bucket_run_read_the_registry_once(tmp_path):
     assert len(users_of) == 2
     for per_step in users_of.values():
         assert per_step == [sorted(["alice", "bob", "chen", "dan"])] * 2
+
+
+def test_planned_bucket_run_checks_only_its_users_registration(tmp_path):
+    """A planned bucket run asks the instance about its own users only (no whole-registry read), and
+    a planned user forgotten since (unregistered) is left out."""
+    with partition_scheme("user_buckets", buckets=4) as m:
+        parts = m["assets.partitions"]
+        seen = []
+
+        @dg.asset(partitions_def=parts.users_partitions)
+        def only(context: dg.AssetExecutionContext) -> None:
+            seen.append(parts.run_user_ids(context))
+
+        defs = dg.Definitions(assets=[only], jobs=[dg.define_asset_job("one", selection=[only])],
+                              executor=dg.in_process_executor)
+        with local_instance(tmp_path / "home") as instance:
+            parts.register_users(instance, ["alice", "bob", "chen", "dan", "erin"])
+            tags = parts.store_run_users(instance, ["alice", "bob", "dan"])
+            instance.delete_dynamic_partition("users", "dan")  # forgotten after planning
+            reads = []
+            real = instance.get_dynamic_partitions
+            instance.get_dynamic_partitions = lambda name: reads.append(name) or real(name)
+            keys = parts.bucket_partition_keys(4)
+            tags.update({"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]})
+            assert defs.resolve_job_def("one").execute_in_process(instance=instance, tags=tags).success
+            assert parts.registered_among(instance, ["alice", "dan", "zoe"]) == {"alice"}
+    assert reads == []
+    assert seen == [["alice", "bob"]]
