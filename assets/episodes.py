@@ -36,12 +36,11 @@ def episodes(
     users = run_user_ids(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
-    turns_by_user = {}
-    for u in users:
-        df = layout.read_user_table("turns", u)
-        if df is None:
-            raise dg.Failure(f"no turns for user {u}: materialize `turns` first")
-        turns_by_user[u] = df
+    # one read for the run's users (a read per user opens the Delta table once per user)
+    turns_by_user = layout.read_users("turns", users)
+    missing = [u for u in users if u not in turns_by_user]
+    if missing:
+        raise dg.Failure(f"no turns for user {missing[0]} ({len(missing)} users): materialize `turns` first")
     model = continuity.model
     progress = ProgressLogger(context.log, "continuity pairs classified")
     t1 = time.perf_counter()

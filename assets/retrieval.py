@@ -28,10 +28,11 @@ def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfi
     users = run_user_ids(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
-    frames = [layout.read_user_table("memories", u) for u in users]
-    if any(f is None for f in frames):
-        raise dg.Failure("materialize `memories` first")
-    mems = pl.concat(frames)
+    by_user = layout.read_users("memories", users)  # one read for the run's users
+    missing = [u for u in users if u not in by_user]
+    if missing:
+        raise dg.Failure(f"no memories for user {missing[0]} ({len(missing)} users): materialize `memories` first")
+    mems = pl.concat([by_user[u] for u in users])
     previous = layout.read_table("memory_embeddings", users)
     emb = embed_memories(mems, embedder.model, previous=previous, batch_size=embedder.batch_size,
                          progress=ProgressLogger(context.log, "memories embedded"))

@@ -1,12 +1,15 @@
 """Scale: the LLM-free stages over one generated archive, in real Dagster runs of 1, 10, 100 or 1,000 users.
 
     python bench/scale.py [--users 1000] [--turns 100] [--configs 1,10,100] [--scheme users|user_buckets]
-                          [--schemes users,user_buckets] [--stages turns,episodes,...] [--archive DIR] [--json]
+                          [--schemes users,user_buckets] [--stages turns,episodes,...] [--archive DIR]
+                          [--instance sqlite|postgres] [--max-runs N] [--ui] [--json]
 
 Every configuration reads the SAME archive (generated once, or --archive), because every `turns` run
 reads the whole archive: per-turn rates of configurations over different archives do not compare.
-Each configuration starts from an empty data root and a fresh (SQLite) Dagster instance, configured
-by the repository's dagster.yaml exactly as `qumem` sets up a new DAGSTER_HOME, in the partition
+Each configuration starts from an empty data root and a fresh Dagster instance, configured by the
+repository's dagster.yaml (SQLite) exactly as `qumem` sets up a new DAGSTER_HOME, or with
+--instance postgres by deploy/postgres/dagster.yaml on a fresh database of the DAGSTER_PG_* server
+(`eval "$(bash scripts/install_system_deps.sh)"`; dropped afterwards), in the partition
 scheme of QUMEM_PARTITION_SCHEME (--scheme; --schemes runs this script once per scheme, on the same
 archive, and reports them side by side). It is driven by the nightly schedule itself
 (assets/schedules.py) with users_per_run = each of --configs: its first evaluation registers every
@@ -25,16 +28,21 @@ After a configuration has built every user:
   partitions/backfill policy): one memory per user utterance, citing that turn, typed round-robin.
   `memory_embeddings`/`memory_indexes` then run for real on as many sentences as there are user turns.
 * Stage time = the `seconds` metadata each asset records around its own code; orchestration overhead
-  = run wall time (execute_in_process, including per-run model loads) - stage time, as a share of wall.
+  = run wall time (execute_in_process, including model loads) - stage time, as a share of wall.
+  Models are loaded once per process (resources/models.py), so the first run carries the load:
+  `first_run` and `later_runs_overhead` say how much of the overhead that is.
+* --max-runs N executes only the first N runs of the plan: a SLICE of the rebuild (`slice: true`),
+  whose nightly re-check then requests the runs not yet built (`second_nightly_expected_runs`).
+* --ui: after the largest configuration, bench/ui_load.py opens the `turns` asset's Partitions page
+  on that instance in headless Chromium (`ui_load_s`; tests/test_ui_browser.py's harness).
 * Bound = the turns/s the two models alone allow: the classifier's raw forward over exactly the pairs
   the episodes stage classified, plus the embedder's raw forward over exactly the memory sentences,
   both measured in this run on pre-tokenised batches. bound_ratio = achieved turns/s (all stages,
   all orchestration, at the largest users-per-run) / bound.
 
-The issue's 100,000-user target (2 turns each, runs of 1,000 users, bucket scheme), about 30 minutes
-on an unloaded 2-core machine:
+The issue's 100,000-user target (2 turns each, runs of 1,000 users, bucket scheme, PostgreSQL):
     QUMEM_PARTITION_SCHEME=user_buckets python bench/scale.py --users 100000 --turns 2 --configs 1000 \
-        --stages turns,episodes,memories,memory_embeddings,memory_indexes --json
+        --instance postgres --ui --no-bound --json            # add --max-runs 10 for a 10-run slice
 and the tick at 100,000 users alone (ingest only, large runs): --stages turns --configs 10000.
 
 With --json the last printed line is one JSON object.
@@ -47,6 +55,7 @@ import random
 import sys
 import tempfile
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -130,10 +139,11 @@ def synthetic_memories(context: dg.AssetExecutionContext, pipeline: PipelineConf
     users = run_user_ids(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
-    rows = 0
+    rows, frames = 0, []
+    turns_of, episodes_of = layout.read_users("turns", users), layout.read_users("episodes", users)
     for u in users:
-        t = layout.read_user_table("turns", u).filter(pl.col("role") == "user").sort("turn_index")
-        eps = layout.read_user_table("episodes", u).select("episode_id", "turn_ids").explode("turn_ids")
+        t = turns_of[u].filter(pl.col("role") == "user").sort("turn_index")
+        eps = episodes_of[u].select("episode_id", "turn_ids").explode("turn_ids")
         ep_of = dict(zip(eps["turn_ids"].to_list(), eps["episode_id"].to_list()))
         idx = t["turn_index"].to_list()
         df = pl.DataFrame({
@@ -150,8 +160,10 @@ def synthetic_memories(context: dg.AssetExecutionContext, pipeline: PipelineConf
             "code_version": ["synthetic"] * len(idx),
             "created_at": [datetime(2025, 1, 1, tzinfo=timezone.utc)] * len(idx),
         }, schema=MEMORY_SCHEMA)
-        layout.write_user_table("memories", u, df)
+        frames.append(df)
         rows += df.height
+    # one transaction for the run's users, as the real memories asset writes (replace_users)
+    layout.replace_users("memories", users, pl.concat(frames) if frames else pl.DataFrame(schema=MEMORY_SCHEMA))
     return dg.MaterializeResult(metadata={"users": len(users), "dagster/row_count": rows, "synthetic": True,
                                           "seconds": round(time.perf_counter() - t0, 3)})
 
@@ -162,15 +174,50 @@ BENCH_ASSETS = {"turns": turns, "episodes": episodes, "memories": synthetic_memo
 
 # ------------------------------------------------------------------------------------ one configuration
 
-def product_instance(home: Path) -> dg.DagsterInstance:
-    """A fresh DAGSTER_HOME set up the way `qumem` sets one up: the repository's dagster.yaml."""
-    install_instance_config(home / "dagster.yaml")
+def _pg_connect(dbname: str):
+    import psycopg2
+
+    return psycopg2.connect(host=os.environ["DAGSTER_PG_HOST"], port=int(os.environ.get("DAGSTER_PG_PORT", "5432")),
+                            user=os.environ["DAGSTER_PG_USER"], password=os.environ.get("DAGSTER_PG_PASSWORD", ""),
+                            dbname=dbname)
+
+
+def _pg_admin(sql: str) -> None:
+    admin = _pg_connect(os.environ["DAGSTER_PG_DB"])
+    admin.autocommit = True
+    try:
+        with admin.cursor() as cur:
+            cur.execute(sql)
+    finally:
+        admin.close()
+
+
+def product_instance(home: Path, kind: str = "sqlite") -> dg.DagsterInstance:
+    """A fresh DAGSTER_HOME set up the way `qumem` sets one up: the repository's dagster.yaml, or
+    (kind="postgres") deploy/postgres/dagster.yaml on a fresh database of the DAGSTER_PG_* server."""
     os.environ["DAGSTER_HOME"] = str(home)
-    return dg.DagsterInstance.local_temp(str(home))
+    if kind == "sqlite":
+        install_instance_config(home / "dagster.yaml")
+        return dg.DagsterInstance.local_temp(str(home))
+    name = f"qumem_scale_{uuid.uuid4().hex[:10]}"
+    _pg_admin(f'CREATE DATABASE "{name}"')
+    (home / "pg_db").write_text(name)
+    os.environ.setdefault("QUMEM_SCALE_PG_ADMIN_DB", os.environ["DAGSTER_PG_DB"])
+    os.environ["DAGSTER_PG_DB"] = name
+    install_instance_config(home / "dagster.yaml", source=REPO_ROOT / "deploy" / "postgres" / "dagster.yaml")
+    return dg.DagsterInstance.from_config(str(home))
 
 
-def _execute(job, instance, requests, stages) -> tuple[float, dict, int]:
-    """Execute run requests; returns (wall seconds, stage seconds by asset, turns ingested)."""
+def drop_instance(instance: dg.DagsterInstance, home: Path) -> None:
+    instance.dispose()
+    if (home / "pg_db").is_file():
+        os.environ["DAGSTER_PG_DB"] = os.environ["QUMEM_SCALE_PG_ADMIN_DB"]
+        _pg_admin(f'DROP DATABASE IF EXISTS "{(home / "pg_db").read_text()}" WITH (FORCE)')
+
+
+def _execute(job, instance, requests, stages, walls: list | None = None) -> tuple[float, dict, int]:
+    """Execute run requests; returns (wall seconds, stage seconds by asset, turns ingested); each run's
+    (wall, stage) seconds are appended to `walls`."""
     wall, per_stage, n_turns = 0.0, dict.fromkeys(stages, 0.0), 0
     for req in requests:
         tags = dict(req.tags)
@@ -178,7 +225,9 @@ def _execute(job, instance, requests, stages) -> tuple[float, dict, int]:
             tags["dagster/partition"] = req.partition_key
         t = time.perf_counter()
         result = job.execute_in_process(instance=instance, tags=tags, raise_on_error=True)
-        wall += time.perf_counter() - t
+        run_wall = time.perf_counter() - t
+        wall += run_wall
+        run_stage = 0.0
         for name in stages:
             # one event per partition, all with the run's metadata: read the first
             evs = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == name]
@@ -186,14 +235,18 @@ def _execute(job, instance, requests, stages) -> tuple[float, dict, int]:
                 raise RuntimeError(f"run {result.run_id}: no materialization of {name}")
             md = evs[0].step_materialization_data.materialization.metadata
             per_stage[name] += md["seconds"].value
+            run_stage += md["seconds"].value
             if name == "turns":
                 n_turns += md["dagster/row_count"].value
+        if walls is not None:
+            walls.append((run_wall, run_stage))
     return wall, per_stage, n_turns
 
 
 def run_config(archive: Path, work: Path, per_run: int, device: str | None, stages: list[str],
-               max_runs: int | None = None) -> dict:
-    """Fresh data root + instance; the nightly schedule plans the runs; execute them; then re-check."""
+               max_runs: int | None = None, instance_kind: str = "sqlite", ui: bool = False) -> dict:
+    """Fresh data root + instance; the nightly schedule plans the runs; execute them; then re-check.
+    max_runs executes only the first runs of the plan (a slice); ui: time the asset page on this instance."""
     (work / "home").mkdir(parents=True)
     pipeline = PipelineConfig(data_root=str(work / "data"), archive_path=str(archive))
     assets = [BENCH_ASSETS[s] for s in stages]
@@ -207,7 +260,7 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
                    "embedder": EmbedderResource(device=device or "")},
     )
     job = defs.resolve_job_def(job_def.name)
-    instance = product_instance(work / "home")
+    instance = product_instance(work / "home", instance_kind)
 
     def evaluate():
         with dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime.now(timezone.utc),
@@ -218,8 +271,10 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
 
     first, first_check_s = evaluate()
     requests = first.run_requests[:max_runs] if max_runs else first.run_requests
-    wall, per_stage, n_turns = _execute(job, instance, requests, stages)
+    walls: list[tuple[float, float]] = []
+    wall, per_stage, n_turns = _execute(job, instance, requests, stages, walls)
     stage = sum(per_stage.values())
+    later = walls[1:]  # runs after the first: the process's models are loaded
     users_built = sum(int(r.tags.get("qumem/nightly_users", "1")) for r in requests)
     out = {
         "scheme": SCHEME, "users_per_run": per_run, "users": users_built, "runs": len(requests),
@@ -228,8 +283,17 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
         "stage_s_by_asset": {k: round(v, 2) for k, v in per_stage.items()},
         "overhead": round((wall - stage) / wall, 4) if wall else 0.0,
         "turns_per_s": round(n_turns / wall, 1) if wall else 0.0,
-        "first_check_s": round(first_check_s, 2),
+        "first_check_s": round(first_check_s, 2),  # the first nightly evaluation: registers every user, plans
+        # where the overhead is: the first run loads the models (counted above), the others do not
+        "first_run": {"wall_s": round(walls[0][0], 2), "stage_s": round(walls[0][1], 2)} if walls else None,
+        "later_runs_overhead_s_per_run": round(sum(w - s for w, s in later) / len(later), 2) if later else None,
+        "later_runs_overhead": round(sum(w - s for w, s in later) / sum(w for w, _ in later), 4) if later else None,
     }
+    if max_runs and len(requests) < len(first.run_requests):  # a slice: re-check the unchanged archive anyway
+        second, second_check_s = evaluate()
+        out.update({"slice": True, "tick_s": round(second_check_s, 2),
+                    "second_nightly_runs_requested": len(second.run_requests),
+                    "second_nightly_expected_runs": len(first.run_requests) - len(requests)})
     if len(requests) == len(first.run_requests):  # every user built: the nightly over the unchanged archive
         second, second_check_s = evaluate()
         wall2, per_stage2, _ = _execute(job, instance, second.run_requests, stages)
@@ -249,7 +313,13 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
             "sensor_cursor_chars": len(sensed.cursor or ""),
         })
     out["runs_in_instance"] = len(instance.get_run_records())
-    instance.dispose()
+    out["registered_users"] = len(instance.get_dynamic_partitions("users"))
+    if ui:
+        from bench.ui_load import asset_page_load
+
+        out["ui"] = asset_page_load(work / "home", archive=archive, data_root=work / "data")
+        out["ui_load_s"] = out["ui"]["load_s"]
+    drop_instance(instance, work / "home")
     return out
 
 
@@ -311,7 +381,8 @@ def _other_scheme_runs(args, archive: Path) -> list[dict]:
     for scheme in args.schemes.split(","):
         cmd = [sys.executable, __file__, "--scheme", scheme, "--archive", str(archive), "--configs", args.configs,
                "--users", str(args.users), "--turns", str(args.turns), "--stages", args.stages,
-               "--one-per-run-users", str(args.one_per_run_users), "--no-bound", "--json"]
+               "--one-per-run-users", str(args.one_per_run_users), "--no-bound", "--json",
+               "--instance", args.instance, "--max-runs", str(args.max_runs)] + (["--ui"] if args.ui else [])
         if args.device:
             cmd += ["--device", args.device]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
@@ -334,6 +405,13 @@ def main(argv=None) -> int:
     ap.add_argument("--archive", help="use this archive instead of generating one")
     ap.add_argument("--no-bound", action="store_true", help="skip the raw-model bound")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--instance", choices=["sqlite", "postgres"], default="sqlite",
+                    help="Dagster instance: the repository's dagster.yaml (SQLite) or deploy/postgres/dagster.yaml "
+                         "on a fresh database of the DAGSTER_PG_* server (dropped afterwards)")
+    ap.add_argument("--max-runs", type=int, default=0,
+                    help="execute only the first N runs of each plan (a slice of the rebuild; 0 = all)")
+    ap.add_argument("--ui", action="store_true",
+                    help="after the largest configuration, time its asset page in headless Chromium (ui_load_s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import logging
@@ -357,14 +435,24 @@ def main(argv=None) -> int:
                 print(json.dumps(out))
             return 0
         results = []
+        if args.instance == "postgres" and not os.environ.get("DAGSTER_PG_HOST"):
+            raise SystemExit('--instance postgres needs DAGSTER_PG_*: eval "$(bash scripts/install_system_deps.sh)"')
         for per_run in configs:
             r = run_config(archive, tmp / f"cfg-{per_run}", per_run, args.device, stages,
-                           max_runs=args.one_per_run_users if per_run == 1 else None)
+                           max_runs=args.one_per_run_users if per_run == 1 else (args.max_runs or None),
+                           instance_kind=args.instance, ui=args.ui and per_run == max(configs))
             results.append(r)
+            if "ui" in r:
+                print(f"      asset page ({r['ui'].get('partition_count_text')}): {r['ui_load_s']}s, again "
+                      f"{r['ui'].get('reload_s')}s", flush=True)
             print(f"[{SCHEME}] {per_run:>5} users/run: {r['users']} users, {r['runs']}/{r['runs_planned']} runs, "
                   f"{r['turns']} turns, wall {r['wall_s']}s, stage {r['stage_s']}s, overhead {100 * r['overhead']:.1f}%, "
                   f"{r['turns_per_s']} turns/s", flush=True)
-            if "tick_s" in r:
+            if r.get("slice"):
+                print(f"      slice: nightly over the unchanged archive after {r['runs']} runs: "
+                      f"{r['second_nightly_runs_requested']} runs requested ({r['second_nightly_expected_runs']} "
+                      f"not yet built), tick {r['tick_s']}s", flush=True)
+            elif "tick_s" in r:
                 print(f"      second nightly over the unchanged archive: {r['second_nightly_runs_requested']} runs "
                       f"requested, {r['second_nightly_stage_s']} stage seconds, tick {r['tick_s']}s "
                       f"({r['second_nightly_skip']}); sensor tick {r['sensor_tick_s']}s, "
@@ -380,7 +468,8 @@ def main(argv=None) -> int:
         "overhead_at_1000": next((r["overhead"] for r in results if r["users_per_run"] == 1000), None),
         "tick_s": main_cfg.get("tick_s"), "sensor_tick_s": main_cfg.get("sensor_tick_s"),
         "second_nightly_runs_requested": [r.get("second_nightly_runs_requested") for r in results],
-        "ui_load_s": None,  # not measured by this bench (tests/test_ui_browser.py harness; see README)
+        "ui_load_s": main_cfg.get("ui_load_s"), "ui": main_cfg.get("ui"), "instance": args.instance,
+        "slice": bool(main_cfg.get("slice")),
         "memories": "synthetic (one per user utterance, citing it; no LLM)",
     }
     if bound:

@@ -153,6 +153,10 @@ def _batchable(event: EventLogEntry) -> bool:
     )
 
 
+DEFAULT_PG_POOL_SIZE = 2
+PG_POOL_RECYCLE_S = 3600
+
+
 class BatchedPostgresEventLogStorage:
     """Placeholder replaced below when dagster-postgres is importable (it is a dependency)."""
 
@@ -180,12 +184,29 @@ else:
 
         def __init__(self, postgres_url: str, should_autocreate_tables: bool = True,
                      inst_data: ConfigurableClassData | None = None, token_provider=None,
-                     event_batch_size: int = DEFAULT_EVENT_BATCH_SIZE):
+                     event_batch_size: int = DEFAULT_EVENT_BATCH_SIZE,
+                     connection_pool_size: int = DEFAULT_PG_POOL_SIZE):
             self._event_batch_size = int(event_batch_size)
             if self._event_batch_size > 0:
                 os.environ.setdefault(BATCH_SIZE_ENV, str(self._event_batch_size))
             super().__init__(postgres_url, should_autocreate_tables=should_autocreate_tables,
                              inst_data=inst_data, token_provider=token_provider)
+            self._pool_size = int(connection_pool_size)
+            if self._pool_size > 0:
+                # dagster-postgres opens a connection per write (NullPool): ~20 ms of connect and
+                # authentication per event, most of a bucket run's overhead (bench/scale.py
+                # --instance postgres). A small pool per process, checked before use and recycled.
+                from dagster_postgres.utils import create_pg_engine
+
+                self._engine = create_pg_engine(
+                    self.postgres_url, token_provider, isolation_level="AUTOCOMMIT",
+                    pool_size=self._pool_size, max_overflow=self._pool_size, pool_pre_ping=True,
+                    pool_recycle=PG_POOL_RECYCLE_S)
+
+        def dispose(self) -> None:
+            super().dispose()
+            if self._pool_size > 0:
+                self._engine.dispose()  # close the pooled connections with the instance
 
         def store_event_batch(self, events: Sequence[EventLogEntry]) -> None:
             planned = DagsterEventType.ASSET_MATERIALIZATION_PLANNED
@@ -206,12 +227,64 @@ else:
         @classmethod
         def config_type(cls):
             return {**pg_config(),
-                    "event_batch_size": Field(IntSource, is_required=False, default_value=DEFAULT_EVENT_BATCH_SIZE)}
+                    "event_batch_size": Field(IntSource, is_required=False, default_value=DEFAULT_EVENT_BATCH_SIZE),
+                    "connection_pool_size": Field(IntSource, is_required=False, default_value=DEFAULT_PG_POOL_SIZE,
+                                                  description="connections kept open per process (0 = one "
+                                                              "connection per write, dagster-postgres's default)")}
 
         @classmethod
         def from_config_value(cls, inst_data: ConfigurableClassData | None, config_value: Mapping[str, Any]):
             cfg = dict(config_value)
             size = cfg.pop("event_batch_size", DEFAULT_EVENT_BATCH_SIZE)
+            pool = cfg.pop("connection_pool_size", DEFAULT_PG_POOL_SIZE)
             return cls(inst_data=inst_data, postgres_url=pg_url_from_config(cfg),
                        should_autocreate_tables=cfg.get("should_autocreate_tables", True),
-                       token_provider=get_token_provider_from_config(cfg), event_batch_size=size)
+                       token_provider=get_token_provider_from_config(cfg), event_batch_size=size,
+                       connection_pool_size=pool)
+
+
+class PooledPostgresRunStorage:
+    """Placeholder replaced below when dagster-postgres is importable (it is a dependency)."""
+
+
+try:
+    from dagster_postgres import PostgresRunStorage
+except ImportError:  # pragma: no cover
+    pass
+else:
+    class PooledPostgresRunStorage(PostgresRunStorage):  # noqa: F811
+        """dagster-postgres's run storage with a small connection pool per process (as the event log
+        above): every run start, step and status change otherwise opens and authenticates a new
+        connection. `connection_pool_size: 0` keeps dagster-postgres's connection per call."""
+
+        def __init__(self, postgres_url: str, should_autocreate_tables: bool = True,
+                     inst_data: ConfigurableClassData | None = None, token_provider=None,
+                     connection_pool_size: int = DEFAULT_PG_POOL_SIZE):
+            super().__init__(postgres_url, should_autocreate_tables=should_autocreate_tables,
+                             inst_data=inst_data, token_provider=token_provider)
+            self._pool_size = int(connection_pool_size)
+            if self._pool_size > 0:
+                from dagster_postgres.utils import create_pg_engine
+
+                self._engine = create_pg_engine(
+                    self.postgres_url, token_provider, isolation_level="AUTOCOMMIT",
+                    pool_size=self._pool_size, max_overflow=self._pool_size, pool_pre_ping=True,
+                    pool_recycle=PG_POOL_RECYCLE_S)
+
+        def dispose(self) -> None:
+            super().dispose()
+            if self._pool_size > 0:
+                self._engine.dispose()
+
+        @classmethod
+        def config_type(cls):
+            return {**pg_config(),
+                    "connection_pool_size": Field(IntSource, is_required=False, default_value=DEFAULT_PG_POOL_SIZE)}
+
+        @classmethod
+        def from_config_value(cls, inst_data: ConfigurableClassData | None, config_value: Mapping[str, Any]):
+            cfg = dict(config_value)
+            pool = cfg.pop("connection_pool_size", DEFAULT_PG_POOL_SIZE)
+            return cls(inst_data=inst_data, postgres_url=pg_url_from_config(cfg),
+                       should_autocreate_tables=cfg.get("should_autocreate_tables", True),
+                       token_provider=get_token_provider_from_config(cfg), connection_pool_size=pool)

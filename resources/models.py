@@ -1,12 +1,42 @@
 """Model resources: heavy weights load in setup_for_execution, never at import time
-(Dagster's code server and every step process import the definitions)."""
+(Dagster's code server and every step process import the definitions).
 
-from typing import Any
+Loaded models are kept per process (`_loaded`, keyed by what selects the weights and the device):
+a process that executes many runs or steps (the in-process executor, `qumem run` over many
+ranges, a long-lived run worker) loads each model once instead of once per run. The models are
+used for inference only, so sharing one instance between runs of a process is safe."""
+
+import threading
+from typing import Any, Callable
 
 import dagster as dg
 from pydantic import PrivateAttr
 
 from qumem_pipeline.episodes.segmentation import DEFAULT_TOKEN_BUDGET
+
+_loaded: dict[tuple, Any] = {}
+_load_lock = threading.Lock()
+
+
+def _cached(key: tuple, load: Callable[[], Any]) -> Any:
+    """The model for `key`, loaded on first use in this process."""
+    with _load_lock:
+        if key not in _loaded:
+            _loaded[key] = load()
+        return _loaded[key]
+
+
+def _classifier(artifact_dir: str, device: str):
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+
+    return _cached(("continuity", artifact_dir, device),
+                   lambda: ContinuityClassifier.load(artifact_dir or None, device=device or None))
+
+
+def _embedder(device: str):
+    from qumem_pipeline.index.embeddings import Embedder
+
+    return _cached(("embedder", device), lambda: Embedder.load(device=device or None))
 
 
 class ContinuityClassifierResource(dg.ConfigurableResource):
@@ -20,16 +50,12 @@ class ContinuityClassifierResource(dg.ConfigurableResource):
     _model: Any = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        from qumem_pipeline.episodes.continuity import ContinuityClassifier
-
-        self._model = ContinuityClassifier.load(self.artifact_dir or None, device=self.device or None)
+        self._model = _classifier(self.artifact_dir, self.device)
 
     @property
     def model(self):
         if self._model is None:  # used outside a Dagster run (tests, CLI helpers)
-            from qumem_pipeline.episodes.continuity import ContinuityClassifier
-
-            self._model = ContinuityClassifier.load(self.artifact_dir or None, device=self.device or None)
+            self._model = _classifier(self.artifact_dir, self.device)
         return self._model
 
 
@@ -89,14 +115,10 @@ class EmbedderResource(dg.ConfigurableResource):
     _model: Any = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        from qumem_pipeline.index.embeddings import Embedder
-
-        self._model = Embedder.load(device=self.device or None)
+        self._model = _embedder(self.device)
 
     @property
     def model(self):
         if self._model is None:
-            from qumem_pipeline.index.embeddings import Embedder
-
-            self._model = Embedder.load(device=self.device or None)
+            self._model = _embedder(self.device)
         return self._model

@@ -79,6 +79,24 @@ def test_scale_smallest():
     assert {"users", "configs"} <= got.keys()
     assert [c["users_per_run"] for c in got["configs"]] == [1, 4]
     assert all({"wall_s", "turns_per_s", "overhead"} <= c.keys() for c in got["configs"])
+    four = got["configs"][1]
+    assert four["first_run"]["wall_s"] > 0 and four["later_runs_overhead"] is None  # one run of 4 users
+    assert four["registered_users"] == 4 and got["slice"] is False and got["instance"] == "sqlite"
+
+
+@pytest.mark.slow
+def test_scale_slice_and_ui():
+    """--max-runs executes a slice of the plan, whose re-check asks for the rest; --ui times the asset
+    page (skipped without Chromium)."""
+    ui = ["--ui"] if os.access("/usr/bin/chromium", os.X_OK) else []
+    got = run_bench("bench/scale.py", "--users", "6", "--turns", "4", "--configs", "2", "--max-runs", "2",
+                    "--scheme", "user_buckets", "--no-bound", *ui)
+    cfg = got["configs"][0]
+    assert got["slice"] is True and cfg["runs"] == 2 and cfg["runs_planned"] == 3 and cfg["users"] == 4
+    assert cfg["second_nightly_runs_requested"] == cfg["second_nightly_expected_runs"] == 1
+    assert cfg["later_runs_overhead_s_per_run"] is not None
+    if ui:
+        assert got["ui_load_s"] > 0 and got["ui"]["partition_count_text"].startswith("64 Partitions")
 
 
 @pytest.mark.slow
