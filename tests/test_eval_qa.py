@@ -242,6 +242,20 @@ def test_interrupted_run_resumes_and_asks_only_for_the_rest(toy, embedder, tmp_p
     assert report["qa"]["qumem"]["f1"] == pytest.approx(F1, abs=1e-4)
     assert report["qa"]["none"]["f1"] == 0.0 and report["qa"]["topk_turns"]["f1"] == pytest.approx(F1, abs=1e-4)
 
+    # a changed state strategy (another query-stage version) is answered again; the other strategies are not
+    import qumem_pipeline.eval.locomo.qa as qa_mod
+
+    real = qa_mod.strategy_version
+    with RunningFakeServer(_script(), tmp_path / "srv3") as srv3:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(qa_mod, "strategy_version", lambda s: real(s) + "-changed" if s == "qumem" else real(s))
+            report3 = run_qa(str(path), out=out, memories=mem_dir, chunk=2, embedder=embedder, log=lambda m: None,
+                             llm_backend=OpenAIBackend(base_url=srv3.base_url, max_retries=0, timeout_s=10))
+        third = srv3.requests()
+    assert report3["skipped"]["checkpoint_rows_other_version"] == 5
+    # its 5 answer calls are identical requests, so the ledger replays them: nothing reaches the server
+    assert third == [] and report3["qa"]["qumem"]["f1"] == report["qa"]["qumem"]["f1"]
+
 
 def test_cli_qa_branch_prints_the_table_and_json(toy, embedder, tmp_path, monkeypatch):
     from qumem_pipeline.cli import main as cli_main

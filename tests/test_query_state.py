@@ -88,7 +88,20 @@ def test_stages_batched_across_queries_and_citations_resolved():
     # q2's as_of is before the vegan memory: it was never a candidate, so M2 does not resolve.
     assert [c["memory_id"] for c in rows["q2"]["candidates"]] == ["m-veg"]
     assert rows["q2"]["cited_memory_ids"] == ["m-veg"] and rows["q2"]["dropped_citations"] == 2
-    assert json.loads(rows["q1"]["plan"]) == [{"query": "Alice diet", "stores": ["preference"]}]
+    # A2's plan, then the query itself over every store (the anchor), recorded in the row
+    assert json.loads(rows["q1"]["plan"]) == [{"query": "Alice diet", "stores": ["preference"]},
+                                              {"query": "Where should I eat?", "stores": ["fact", "preference", "insight"]}]
+
+
+def test_query_anchor_is_added_once():
+    from qumem_pipeline.query.strategies.qumem import with_query_anchor
+
+    every = ["fact", "preference", "insight"]
+    assert with_query_anchor([("Alice diet", ["preference"])], " Dinner? ") == [("Alice diet", ["preference"]),
+                                                                               ("Dinner?", every)]
+    repaired = [("dinner?", every)]  # a plan repaired to the query itself already holds it
+    assert with_query_anchor(repaired, "Dinner?") == repaired
+    assert with_query_anchor([("Dinner?", ["fact"])], "Dinner?") == [("Dinner?", ["fact"]), ("Dinner?", every)]
 
 
 def test_topk_strategy_skips_planning():

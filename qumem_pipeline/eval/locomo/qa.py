@@ -172,13 +172,14 @@ def run_qa(
     done: dict[tuple[str, str], dict] = {}
     stale = 0
     for r in ckpt.rows():
-        if r.get("answer_prompt_version") == ANSWER_PROMPT_VERSION:
+        if (r.get("answer_prompt_version") == ANSWER_PROMPT_VERSION
+                and r.get("strategy_version") == strategy_version(r["strategy"])):
             done[(r["strategy"], r["key"])] = r
         else:
             stale += 1
     skipped: dict = {}
     if stale:
-        skipped["checkpoint_rows_other_prompt_version"] = stale
+        skipped["checkpoint_rows_other_version"] = stale
 
     llm_holder: list = []
 
@@ -300,7 +301,7 @@ def run_qa(
                                      "error": None if r.ok else r.error, **score_answer(pred, q.gold, q.category), **m,
                                      "answer_prompt_tokens": r.prompt_tokens, "answer_completion_tokens": r.completion_tokens,
                                      "model": backend.model_name, "answer_prompt_version": ANSWER_PROMPT_VERSION,
-                                     "code_version": CODE_VERSION, "created_at": datetime.now(timezone.utc).isoformat()})
+                                     "strategy_version": strategy_version(s), "code_version": CODE_VERSION, "created_at": datetime.now(timezone.utc).isoformat()})
                     ckpt.append(rows)
                     for row in rows:
                         done[(s, row["key"])] = row
@@ -341,6 +342,17 @@ def run_qa(
     os.replace(tmp, paths["report"])
     return report
 
+
+
+def strategy_version(strategy: str) -> str:
+    """What besides the answer prompt decides a strategy's answers: for the state strategies the query
+    stage's version (its code, model and embedder), so a changed strategy is answered again (the
+    ledger still replays every identical call); the other contexts are built here, in the eval."""
+    if strategy in ("qumem", "adamem"):
+        from qumem_pipeline.contracts.stage_versions import stage_version
+
+        return stage_version("query_states")
+    return "context-built-by-the-eval"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,18 @@ def validate_plan(raw: dict | None, query: str) -> tuple[list[tuple[str, list[st
     return plan, ("; ".join(dict.fromkeys(problems)) or None)
 
 
+def with_query_anchor(plan: list[tuple[str, list[str]]], query: str) -> list[tuple[str, list[str]]]:
+    """A2's plan plus the query itself over every store, unless the plan already has it.
+
+    Why: rewritten queries can drift from what was asked, and then the state is inferred from
+    evidence the question never asked for; the query's own top-k anchors the candidates (measured
+    on LoCoMo QA, see README). The anchor is recorded in the row's plan, so what was retrieved
+    stays visible."""
+    if any(text.strip().lower() == query.strip().lower() and set(stores) == set(MEMORY_TYPES) for text, stores in plan):
+        return plan
+    return [*plan, (query.strip(), list(MEMORY_TYPES))]
+
+
 def plan_retrieval(
     queries: Sequence[Query],
     llm: LLMBackend,
@@ -124,5 +136,6 @@ class QumemStrategy(QueryStrategy):
         needs, plans, repaired, plan_tokens = plan_retrieval(queries, llm, progress=progress)
         for i, (p_tok, c_tok) in enumerate(plan_tokens):
             tokens.add(i, p_tok, c_tok)
+        plans = [with_query_anchor(p, q.query) for p, q in zip(plans, queries)]
         return infer_from_plans(self.name, queries, Plans(needs, plans, repaired), llm, retriever, tokens,
                                 k=5 if k is None else k, respond=respond, created_at=created_at, progress=progress)
