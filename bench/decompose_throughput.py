@@ -247,8 +247,11 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=int(os.environ.get("QUMEM_LLM_CONCURRENCY") or 64),
                     help="stage: requests in flight (QUMEM_LLM_CONCURRENCY)")
-    ap.add_argument("--no-compact-json", action="store_true",
-                    help="serve without xgrammar's disable_any_whitespace (both sides)")
+    ap.add_argument("--no-compact-json", action="store_true", default=None,
+                    help="serve without xgrammar's disable_any_whitespace (both sides); default: the model's "
+                         "profile (llm/model_profiles.py), as the pipeline serves it")
+    ap.add_argument("--compact-json", dest="no_compact_json", action="store_false",
+                    help="force disable_any_whitespace on (both sides)")
     ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile (default: --enforce-eager, faster start)")
     ap.add_argument("--vllm-python", default=os.environ.get("QUMEM_VLLM_PYTHON", ""))
     ap.add_argument("--engine-timeout-s", type=float, default=900)
@@ -270,6 +273,10 @@ def main() -> int:
 
         model_dir = ensure_model_dir()
     args.served_model_name = args.served_model_name or model_dir.name
+    if args.no_compact_json is None:  # as the pipeline serves this model (Qwen2.5: compact JSON off)
+        from qumem_pipeline.llm.model_profiles import profile_for
+
+        args.no_compact_json = not profile_for(str(model_dir)).compact_json
     picked = pick_episodes(args.source, args.episodes, args.data, args.segment)
     warm, eps = picked[-1], picked[:-1]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
