@@ -26,7 +26,6 @@ The last line (with --json) is one JSON object: {"rows": [...], "total_rows_lost
 """
 
 import argparse
-import hashlib
 import json
 from collections import Counter
 import shutil
@@ -47,7 +46,7 @@ from fake_openai_server import RunningFakeServer  # noqa: E402
 from qumem_pipeline.memories.decompose import MEMORY_TYPES, decompose_episodes  # noqa: E402
 from qumem_pipeline.memories.checkpoints import CheckpointStore  # noqa: E402
 from qumem_pipeline.llm import LLMEndpointError, make_backend  # noqa: E402
-from qumem_pipeline.llm.vllm_managed import free_port  # noqa: E402
+from qumem_pipeline.runtime.processes import free_port  # noqa: E402
 
 T0 = datetime(2024, 5, 1, 9, 0, tzinfo=timezone.utc)
 N_USERS, N_EPISODES = 4, 6
@@ -112,18 +111,12 @@ def valid_answers(*servers) -> Counter:
             resp = r["response"]
             if (r["path"].endswith("/chat/completions") and resp.get("echo_memory") and resp.get("status", 200) == 200
                     and not set(resp) & {"hang", "truncate", "exit", "drop"}):
-                scripted[prompt_key(r["body"])] += 1
+                scripted[r["key"]] += 1
         delivered = Counter(g["key"] for g in s.generations()
                             if g["event"] == "end" and g["how"] == "finished" and g.get("echo"))
         for k, n in scripted.items():
             got[k] += min(n, delivered[k])
     return got
-
-
-def prompt_key(body: dict) -> str:
-    """The fake server's key for a request (sha256 of its joined message texts)."""
-    text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def repeated_calls(*servers, reference: Counter | None = None) -> int:

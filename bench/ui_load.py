@@ -23,8 +23,6 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,19 +31,13 @@ import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
+sys.path.insert(0, str(REPO_ROOT))
+# Importing these reads no partition scheme (main sets it before bench.scale loads the assets).
+from qumem_pipeline.runtime.processes import free_port, stop_process_group  # noqa: E402
+from tests.browser_harness import CHROMIUM, headless_page  # noqa: E402
+
 SERVER_START_S = 300
 PAGE_TIMEOUT_MS = 300_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _graphql(url: str, query: str) -> dict:
@@ -83,7 +75,7 @@ def webserver(home: Path, archive: Path, data_root: Path):
     env.update(DAGSTER_HOME=str(home), QUMEM_ARCHIVE=str(archive), QUMEM_DATA_ROOT=str(data_root),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = home / "webserver.log"
     with open(log, "wb") as out:
@@ -95,40 +87,24 @@ def webserver(home: Path, archive: Path, data_root: Path):
         start_s = _wait_until_loaded(proc, url, log)
         yield url, start_s
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)
 
 
 def _open_once(url: str, asset: str, shot: Path | None) -> tuple[float, str]:
     """Seconds from navigation to the partition count on screen, in a fresh browser; and that text."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            page.set_default_timeout(PAGE_TIMEOUT_MS)
-            t = time.perf_counter()
-            page.goto(f"{url}/assets/{asset}?view=partitions")
-            count = page.get_by_text(PARTITION_COUNT).first
-            count.wait_for(state="visible")
-            status = page.get_by_text(MATERIALIZED_COUNT).first
-            status.wait_for(state="visible")
-            page.locator("a,div,span").get_by_text(PARTITION_KEY).first.wait_for(state="visible")
-            took = time.perf_counter() - t
-            text = f"{count.inner_text()}; {status.inner_text()}"
-            if shot:
-                page.screenshot(path=str(shot))
-            return took, text
-        finally:
-            browser.close()
+    with headless_page(PAGE_TIMEOUT_MS) as page:
+        t = time.perf_counter()
+        page.goto(f"{url}/assets/{asset}?view=partitions")
+        count = page.get_by_text(PARTITION_COUNT).first
+        count.wait_for(state="visible")
+        status = page.get_by_text(MATERIALIZED_COUNT).first
+        status.wait_for(state="visible")
+        page.locator("a,div,span").get_by_text(PARTITION_KEY).first.wait_for(state="visible")
+        took = time.perf_counter() - t
+        text = f"{count.inner_text()}; {status.inner_text()}"
+        if shot:
+            page.screenshot(path=str(shot))
+        return took, text
 
 
 # What the Partitions view shows once the partition health is in: "100,000 Partitions Selected", the
@@ -165,7 +141,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.scheme:
         os.environ["QUMEM_PARTITION_SCHEME"] = args.scheme
-    sys.path.insert(0, str(REPO_ROOT))
     from bench.scale import drop_instance, product_instance
 
     with tempfile.TemporaryDirectory(prefix="qumem-ui-") as tmp:

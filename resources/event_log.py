@@ -157,6 +157,28 @@ DEFAULT_PG_POOL_SIZE = 2
 PG_POOL_RECYCLE_S = 3600
 
 
+class _PooledPostgresEngine:
+    """Mixin for a dagster-postgres storage: replace its connection-per-call engine (NullPool: ~20 ms
+    of connect and authentication per write, most of a bucket run's overhead, bench/scale.py
+    --instance postgres) with a small pool per process, checked before use and recycled hourly.
+    `size` 0 keeps dagster-postgres's engine."""
+
+    def _use_pool(self, token_provider, size: int) -> None:
+        self._pool_size = int(size)
+        if self._pool_size > 0:
+            from dagster_postgres.utils import create_pg_engine
+
+            self._engine = create_pg_engine(
+                self.postgres_url, token_provider, isolation_level="AUTOCOMMIT",
+                pool_size=self._pool_size, max_overflow=self._pool_size, pool_pre_ping=True,
+                pool_recycle=PG_POOL_RECYCLE_S)
+
+    def dispose(self) -> None:
+        super().dispose()
+        if self._pool_size > 0:
+            self._engine.dispose()  # close the pooled connections with the instance
+
+
 class BatchedPostgresEventLogStorage:
     """Placeholder replaced below when dagster-postgres is importable (it is a dependency)."""
 
@@ -168,7 +190,7 @@ try:
 except ImportError:  # pragma: no cover - dagster-postgres is in the project's dependencies
     pass
 else:
-    class BatchedPostgresEventLogStorage(PostgresEventLogStorage):  # noqa: F811
+    class BatchedPostgresEventLogStorage(_PooledPostgresEngine, PostgresEventLogStorage):  # noqa: F811
         """dagster-postgres's event log with Dagster's batched writes switched on.
 
         dagster-postgres already writes a batch of ASSET_MATERIALIZATION events with one INSERT …
@@ -191,22 +213,7 @@ else:
                 os.environ.setdefault(BATCH_SIZE_ENV, str(self._event_batch_size))
             super().__init__(postgres_url, should_autocreate_tables=should_autocreate_tables,
                              inst_data=inst_data, token_provider=token_provider)
-            self._pool_size = int(connection_pool_size)
-            if self._pool_size > 0:
-                # dagster-postgres opens a connection per write (NullPool): ~20 ms of connect and
-                # authentication per event, most of a bucket run's overhead (bench/scale.py
-                # --instance postgres). A small pool per process, checked before use and recycled.
-                from dagster_postgres.utils import create_pg_engine
-
-                self._engine = create_pg_engine(
-                    self.postgres_url, token_provider, isolation_level="AUTOCOMMIT",
-                    pool_size=self._pool_size, max_overflow=self._pool_size, pool_pre_ping=True,
-                    pool_recycle=PG_POOL_RECYCLE_S)
-
-        def dispose(self) -> None:
-            super().dispose()
-            if self._pool_size > 0:
-                self._engine.dispose()  # close the pooled connections with the instance
+            self._use_pool(token_provider, connection_pool_size)
 
         def store_event_batch(self, events: Sequence[EventLogEntry]) -> None:
             planned = DagsterEventType.ASSET_MATERIALIZATION_PLANNED
@@ -252,7 +259,7 @@ try:
 except ImportError:  # pragma: no cover
     pass
 else:
-    class PooledPostgresRunStorage(PostgresRunStorage):  # noqa: F811
+    class PooledPostgresRunStorage(_PooledPostgresEngine, PostgresRunStorage):  # noqa: F811
         """dagster-postgres's run storage with a small connection pool per process (as the event log
         above): every run start, step and status change otherwise opens and authenticates a new
         connection. `connection_pool_size: 0` keeps dagster-postgres's connection per call."""
@@ -262,19 +269,7 @@ else:
                      connection_pool_size: int = DEFAULT_PG_POOL_SIZE):
             super().__init__(postgres_url, should_autocreate_tables=should_autocreate_tables,
                              inst_data=inst_data, token_provider=token_provider)
-            self._pool_size = int(connection_pool_size)
-            if self._pool_size > 0:
-                from dagster_postgres.utils import create_pg_engine
-
-                self._engine = create_pg_engine(
-                    self.postgres_url, token_provider, isolation_level="AUTOCOMMIT",
-                    pool_size=self._pool_size, max_overflow=self._pool_size, pool_pre_ping=True,
-                    pool_recycle=PG_POOL_RECYCLE_S)
-
-        def dispose(self) -> None:
-            super().dispose()
-            if self._pool_size > 0:
-                self._engine.dispose()
+            self._use_pool(token_provider, connection_pool_size)
 
         @classmethod
         def config_type(cls):

@@ -107,14 +107,6 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
     """moto's standalone S3 server (`moto[server]`, pinned) as a child process on a free loopback
@@ -126,7 +118,9 @@ def moto_server(tmp_path_factory):
     import urllib.request
 
     pytest.importorskip("moto.server")
-    port = _free_port()
+    from qumem_pipeline.runtime.processes import free_port
+
+    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)

@@ -33,7 +33,7 @@ finish chunk, a usage chunk when `stream_options.include_usage` is set, then `da
 `truncate` cuts a stream after half its tokens. Like vLLM, a generation whose client disconnects
 is aborted at once (the socket is watched while waiting between tokens).
 
-Every request received is appended to --log as a JSON line (path, body, response), for assertions;
+Every request received is appended to --log as a JSON line (path, body, response, key: the prompt key the --gen-log uses), for assertions;
 several server processes may share one log (a server that dies and comes back). With --gen-log,
 every generation also appends {"key", "event": "start", "live_before"} when it starts (live_before:
 generations of the same prompt already running) and {"key", "event": "end", "how": "finished" |
@@ -144,7 +144,8 @@ def make_handler(state: State):
                 return
             text = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
             resp = state.pick(text)
-            state.log({"path": self.path, "body": body, "response": resp, "t": time.time()})
+            key = hashlib.sha256(text.encode()).hexdigest()[:16]  # the generation log's key for this prompt
+            state.log({"path": self.path, "body": body, "response": resp, "key": key, "t": time.time()})
             if resp.get("exit"):
                 # let answers already being written reach their clients, so the server-side log of
                 # answered requests is exactly what clients received; then die without answering
@@ -179,7 +180,6 @@ def make_handler(state: State):
                 content = json.dumps(_echo_memory(text))
             else:
                 content = resp["content"] if "content" in resp else json.dumps(resp.get("json", {}))
-            key = hashlib.sha256(text.encode()).hexdigest()[:16]
             state.generation_started(key)
             how = "client_disconnected"
             try:

@@ -23,7 +23,7 @@ from qumem_pipeline.memories.decompose import (
     summarize_ledger,
 )
 from qumem_pipeline.llm import LLMEndpointError, make_backend
-from qumem_pipeline.llm.vllm_managed import free_port
+from qumem_pipeline.runtime.processes import free_port
 
 T0 = datetime(2024, 3, 1, 9, 0, tzinfo=timezone.utc)
 CREATED = datetime(2024, 6, 1, tzinfo=timezone.utc)

@@ -18,7 +18,7 @@ from fake_openai_server import RunningFakeServer
 from qumem_pipeline.memories.decompose import decompose_episodes
 from qumem_pipeline.memories.checkpoints import CheckpointStore
 from qumem_pipeline.llm import LLMEndpointError, make_backend
-from qumem_pipeline.llm.vllm_managed import free_port
+from qumem_pipeline.runtime.processes import free_port
 from qumem_pipeline.storage.layout import DataLayout
 
 USERS = ("ana", "ben")

@@ -6,7 +6,7 @@ import pytest
 
 from fake_openai_server import RunningFakeServer
 from qumem_pipeline.llm import ChatRequest, LLMEndpointError, make_backend
-from qumem_pipeline.llm.vllm_managed import free_port
+from qumem_pipeline.runtime.processes import free_port
 
 SCHEMA = {
     "type": "object",

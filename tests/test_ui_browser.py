@@ -9,8 +9,6 @@ Needs /usr/bin/chromium (Debian's `chromium`, installed by scripts/install_syste
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +19,10 @@ import dagster as dg
 import pytest
 
 from qumem_pipeline.cli import install_instance_config
+from qumem_pipeline.runtime.processes import free_port, stop_process_group
+from tests.browser_harness import CHROMIUM, headless_page
 from tests.conftest import REPO_ROOT, conversation, write_jsonl
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 SERVER_START_S = 240
 BACKFILL_DONE_S = 300
 UI_TIMEOUT_MS = 60_000
@@ -50,12 +45,6 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for_server(proc: subprocess.Popen, url: str, log: Path) -> None:
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
@@ -69,21 +58,6 @@ def _wait_for_server(proc: subprocess.Popen, url: str, log: Path) -> None:
             pass
         time.sleep(2)
     pytest.fail(f"dagster dev did not answer on {url} within {SERVER_START_S}s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server and everything it started (webserver, daemon, code server, run workers)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    try:  # children that outlived the parent still belong to its process group
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _dismiss_first_visit_dialog(page) -> None:
@@ -102,17 +76,9 @@ def _dismiss_first_visit_dialog(page) -> None:
 @contextlib.contextmanager
 def _page(url: str):
     """A page of headless Debian Chromium at ``url``; the browser is closed whatever happens."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            page.goto(url)
-            yield page
-        finally:
-            browser.close()
+    with headless_page(UI_TIMEOUT_MS) as page:
+        page.goto(url)
+        yield page
 
 
 def _launch_backfill_in_ui(base_url: str, users: list[str], shots: Path) -> None:
@@ -186,7 +152,7 @@ def test_backfill_of_two_users_from_the_ui(tmp_path, monkeypatch):
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
         HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", QUMEM_USERS_PER_RUN="50",
     )
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     log = tmp_path / "dagster_dev.log"
     dagster_bin = Path(sys.executable).with_name("dagster")
@@ -203,7 +169,7 @@ def test_backfill_of_two_users_from_the_ui(tmp_path, monkeypatch):
         final_shot = tmp_path / "ui_backfill_runs.png"
         _runs_page_screenshot(base_url, final_shot)
     finally:
-        _stop(proc)
+        stop_process_group(proc)
 
     assert backfill.status.value == "COMPLETED_SUCCESS", (backfill.status, log.read_text()[-3000:])
     # Both users fit one run (QUMEM_USERS_PER_RUN=50 in the shared backfill policy): one range run, not two.

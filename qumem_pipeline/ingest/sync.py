@@ -223,17 +223,13 @@ class _Sync:
         stay under `bucket_bytes`: one merge and one commit per table for each run."""
         if not self.spill:  # everything read is held in memory: one group
             return [sorted(users_by_key)] if users_by_key else []
-        groups, cur, size = [], [], 0
-        for k in sorted(users_by_key):
+
+        def cost(k: int) -> int:
             d = scratch / f"bucket={k}"
-            cost = sum(p.stat().st_size for p in d.glob("*.arrow")) if d.exists() else 0
-            cost += _STORED_ROW_BYTES * sum(history.get(u, 0) for u in users_by_key[k])
-            if cur and size + cost > bucket_bytes:
-                groups.append(cur)
-                cur, size = [], 0
-            cur.append(k)
-            size += cost
-        return groups + [cur] if cur else groups
+            staged = sum(p.stat().st_size for p in d.glob("*.arrow")) if d.exists() else 0
+            return staged + _STORED_ROW_BYTES * sum(history.get(u, 0) for u in users_by_key[k])
+
+        return _pack(sorted(users_by_key), cost, bucket_bytes)
 
     # --- 2. read, check, spill -------------------------------------------------------------
     def _stage(self, scratch: Path, chunk_bytes: int, batch_rows: int) -> pl.DataFrame:
@@ -502,14 +498,20 @@ def _store_buckets(layout) -> int:
 def _groups(users: list[str], stored: dict[str, int], max_rows: int) -> list[list[str]]:
     """Consecutive users cut so each group's stored history stays under `max_rows` rows (a user
     over it is a group of its own)."""
-    groups, cur, n = [], [], 0
-    for u in users:
-        k = stored.get(u, 0)
-        if cur and n + k > max_rows:
+    return _pack(users, lambda u: stored.get(u, 0), max_rows)
+
+
+def _pack(items: list, cost, budget: int) -> list[list]:
+    """`items` in order, cut into consecutive runs whose summed `cost(item)` stays within `budget`
+    (an item over it alone is a run of its own)."""
+    groups, cur, size = [], [], 0
+    for it in items:
+        c = cost(it)
+        if cur and size + c > budget:
             groups.append(cur)
-            cur, n = [], 0
-        cur.append(u)
-        n += k
+            cur, size = [], 0
+        cur.append(it)
+        size += c
     return groups + [cur] if cur else groups
 
 

@@ -22,8 +22,6 @@ so every caller (the Dagster resource, the eval harness) starts the same server.
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,16 +34,11 @@ import httpx
 from qumem_pipeline.llm.model_profiles import profile_for
 from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMError, OnResult
 from qumem_pipeline.llm.openai_backend import OpenAIBackend
+from qumem_pipeline.runtime.processes import free_port, stop_process_group
 
 
 class VLLMStartError(LLMError):
     pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _log_tail(path: Path, n: int = 4000) -> str:
@@ -153,19 +146,8 @@ class VLLMManagedBackend(BackendBase):
 
     def close(self) -> None:
         proc, self.proc = getattr(self, "proc", None), None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # its own session: the group is the server + workers
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+        if proc is not None:
+            stop_process_group(proc)  # its own session: the group is the server + workers
         log = getattr(self, "_log", None)
         if log is not None and not log.closed:
             log.close()

@@ -263,27 +263,16 @@ def render_grounded(row: "StateRow | None", texts: dict, dates: dict | None, bud
         for u in cited:
             seen.add(u)
             facts.append(f"- {dated(u)}")
-    rest = render_state({"facts": [], "preference_trajectory": state.get("preference_trajectory") or [],
-                         "insights": state.get("insights") or []}, dates).splitlines()[1:]
-    rest = [x for x in rest if x != "- (nothing relevant found)"]
-    head = ["Inferred state of the conversation's speakers, relevant to the question:"]
+    head = [STATE_HEADER]
     if facts:
         head += ["Relevant facts (the memories the state selected, with dates):", *facts]
-    head += rest
+    head += _inferred_lines(state, dates)
     if len(head) == 1:
         head.append("- (nothing relevant found)")
     spent = sum(len(x.split()) for x in head)
-    more: list[str] = []
-    for uid in [*row.cited, *row.candidates]:
-        if uid in seen or uid not in texts:
-            continue
-        seen.add(uid)
-        line = dated(uid)
-        n = len(line.split())
-        if spent + n > budget:
-            continue
-        more.append(line)
-        spent += n
+    lines = [dated(u) for u in dict.fromkeys([*row.cited, *row.candidates]) if u in texts and u not in seen]
+    more = [lines[j] for j in ConversationContext._fill(range(len(lines)), [len(x.split()) for x in lines],
+                                                         budget - spent)]
     if more:
         head += ["Other evidence retrieved for this question (with dates):", *more]
     return "\n".join(head)
@@ -298,20 +287,29 @@ def _cited_dates(item: dict, dates: dict | None) -> str:
     return f" [stated {span}]"
 
 
+STATE_HEADER = "Inferred state of the conversation's speakers, relevant to the question:"
+
+
+def _inferred_lines(state: dict, dates: dict | None) -> list[str]:
+    """The state's preference trajectory and insights (its inferences), one line each, dated."""
+    lines = []
+    for p in state.get("preference_trajectory") or []:
+        lines.append(f"- preference ({p.get('aspect', '')}): earlier {p.get('earlier', '')}; now {p.get('current', '')}"
+                     f" ({p.get('applies_now_because', '')}){_cited_dates(p, dates)}")
+    for i in state.get("insights") or []:
+        lines.append(f"- insight: {i.get('insight', '')}{_cited_dates(i, dates)}")
+    return lines
+
+
 def render_state(state: dict | None, dates: dict | None = None) -> str:
     """Z_q (or AdaMem's research notes) as the answer step's context. Citations are ids, so they are
     left out, but the dates of what each item cites (``dates``: unit id -> session timestamp) are shown:
     a statement like "lost his job yesterday" is answerable only with the day it was said."""
     if state is None:
         return "Inferred state: (none: the state inference gave no usable output)"
-    lines = ["Inferred state of the conversation's speakers, relevant to the question:"]
-    for f in state.get("facts") or []:
-        lines.append(f"- fact: {f.get('statement', '')}{_cited_dates(f, dates)}")
-    for p in state.get("preference_trajectory") or []:
-        lines.append(f"- preference ({p.get('aspect', '')}): earlier {p.get('earlier', '')}; now {p.get('current', '')}"
-                     f" ({p.get('applies_now_because', '')}){_cited_dates(p, dates)}")
-    for i in state.get("insights") or []:
-        lines.append(f"- insight: {i.get('insight', '')}{_cited_dates(i, dates)}")
+    lines = [STATE_HEADER]
+    lines += [f"- fact: {f.get('statement', '')}{_cited_dates(f, dates)}" for f in state.get("facts") or []]
+    lines += _inferred_lines(state, dates)
     if len(lines) == 1:
         lines.append("- (nothing relevant found)")
     return "\n".join(lines)
