@@ -158,8 +158,8 @@ PG_POOL_RECYCLE_S = 3600
 
 
 class _PooledPostgresEngine:
-    """Mixin for a dagster-postgres storage: replace its connection-per-call engine (NullPool: ~20 ms
-    of connect and authentication per write, most of a bucket run's overhead, bench/scale.py
+    """Mixin for a dagster-postgres storage: replace its connection-per-call engine (NullPool: a
+    connect and authentication per write, a large share of a bucket run's overhead in bench/scale.py
     --instance postgres) with a small pool per process, checked before use and recycled hourly.
     `size` 0 keeps dagster-postgres's engine."""
 
