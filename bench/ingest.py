@@ -10,7 +10,12 @@ child process of its own, so its peak RSS (getrusage of that child) is its own:
 - `incremental`: one new file of 10,000 turns (later turns of 100 existing users) added to the
   ingested archive, then `sync_archive` again (change detection over every file + ingest);
 - `read`: 100 users' turns read back through DataLayout (best of 3);
-- `readers` (first configuration only): the candidate bounded readers timed over the same files.
+- `hash`: the sha256 + line-count pass over the archive's files that every ingest of new files
+  makes (the manifest's content hash; rows must be lines), alone: `ratio_ceiling` = baseline /
+  (baseline + this pass) bounds `ratio` from above with everything else of the ingest free;
+- `readers` (first configuration only): the candidate bounded readers timed over the same files;
+- `writers` (first configuration only): the ingested turns table written again by delta-rs'
+  writer and by the store's add-only path (storage/file_commit.py), CPU seconds each.
 
 Keys of the last JSON line (figures of the largest configuration): `ratio` (baseline seconds /
 ingest seconds), `peak_rss_mb` (ingest child), `incremental_ratio` (incremental seconds / full
@@ -131,6 +136,14 @@ def phase(name: str, work: Path) -> dict:
         out.update(rows=df.height, users=len(users), best_s=round(best, 4))
     elif name == "readers":
         out.update(compare_readers(sorted(archive.glob("*.jsonl"))))
+    elif name == "writers":
+        out.update(compare_writers(data, work / "writers"))
+    elif name == "hash":
+        from qumem_pipeline.ingest.stream import _hash_and_count_lines
+
+        import hashlib
+
+        out["lines"] = sum(_hash_and_count_lines(f, hashlib.sha256()) for f in sorted(archive.glob("*.jsonl")))
     out["seconds"] = round(time.perf_counter() - t, 3)
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 2)  # all threads: steadier than wall time on a busy box
@@ -159,6 +172,47 @@ def compare_readers(files: list[Path]) -> dict:
     return {"readers": res}
 
 
+def compare_writers(data: Path, out: Path) -> dict:
+    """The ingested turns table written again, whole, into fresh tables: by delta-rs' writer
+    (`write_deltalake`, the store's writer properties) and by the store's add-only path
+    (storage/file_commit.py: polars' Parquet writer + one add-actions commit). Seconds and CPU
+    seconds (this process, all threads) each; rows read back must agree."""
+    from deltalake import DeltaTable, write_deltalake
+
+    from qumem_pipeline.storage import file_commit, table_store
+
+    df = pl.from_arrow(DeltaTable(str(data / "turns")).to_pyarrow_dataset().to_table()).sort(table_store.KEY)
+    res = {}
+
+    def timed(key, fn):
+        t, c = time.perf_counter(), time.process_time()
+        fn(out / key)
+        res[key] = {"seconds": round(time.perf_counter() - t, 3), "cpu_s": round(time.process_time() - c, 2),
+                    "rows": DeltaTable(str(out / key)).to_pyarrow_dataset().count_rows(),
+                    "mb": round(sum(p.stat().st_size for p in (out / key).rglob("*.parquet")) / 1e6, 1)}
+
+    timed("delta_rs_write_deltalake", lambda d: write_deltalake(
+        str(d), df.to_arrow(), partition_by=[table_store.BUCKET], writer_properties=table_store._WRITER,
+        target_file_size=table_store.TARGET_FILE_SIZE))
+
+    def add_only(d: Path) -> None:
+        d.mkdir(parents=True)
+        import pyarrow.fs as pafs
+
+        adds = file_commit.write_files(df, pafs.LocalFileSystem(), str(d), key=table_store.KEY, bucket=table_store.BUCKET,
+                                       row_group_rows=table_store.ROW_GROUP_ROWS, target_file_bytes=table_store.TARGET_FILE_SIZE)
+        from deltalake import CommitProperties
+
+        file_commit.commit_new_table(str(d), df.clear().to_arrow().schema, adds, partition_by=[table_store.BUCKET],
+                                     description="bench", configuration={}, storage_options=None, commit=CommitProperties())
+
+    timed("polars_add_only_commit", add_only)
+    shutil.rmtree(out, ignore_errors=True)
+    a, b = res["delta_rs_write_deltalake"], res["polars_add_only_commit"]
+    assert a["rows"] == b["rows"] == df.height
+    return {"writers": res, "writer_cpu_ratio": round(a["cpu_s"] / b["cpu_s"], 2)}
+
+
 # ---------------------------------------------------------------- parent
 def run_child(name: str, work: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -182,6 +236,9 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
         ingest = run_child("ingest", work)
         assert ingest["rows_read"] == base["rows"] == n_turns // n_users * n_users and ingest["quarantined"] == 0
         read = run_child("read", work)
+        # the pass over the archive's bytes the manifest needs (sha256 + line count), alone
+        hashed = run_child("hash", work)
+        writers = run_child("writers", work) if readers else None
         add_new_file(work / "archive", n_turns, n_users)
         inc = run_child("incremental", work)
         assert inc["files_read"] == 1 and inc["rows_read"] == NEW_FILE_TURNS
@@ -196,6 +253,11 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
             "baseline_cpu_s": base["cpu_s"], "ingest_cpu_s": ingest["cpu_s"],
             "cpu_ratio": round(base["cpu_s"] / ingest["cpu_s"], 3),
             "ingest_stages_s": ingest["stages_s"],
+            # a ceiling for `ratio`: the baseline plus only the content-hash pass every ingest of
+            # new files makes (nothing else of the ingest counted)
+            "hash_pass_s": hashed["seconds"], "hash_pass_cpu_s": hashed["cpu_s"],
+            "ratio_ceiling": round(base["seconds"] / (base["seconds"] + hashed["seconds"]), 3),
+            "cpu_ratio_ceiling": round(base["cpu_s"] / (base["cpu_s"] + hashed["cpu_s"]), 3),
             "incremental_s": inc["seconds"], "incremental_users_rebuilt": inc["users_rebuilt"],
             "incremental_ratio": round(inc["seconds"] / ingest["seconds"], 4),
             "read_100_users_s": read["best_s"], "read_100_users_rows": read["rows"],
@@ -203,6 +265,7 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
         }
         if readers:
             out["readers"] = run_child("readers", work)["readers"]
+            out.update({k: v for k, v in writers.items() if k in ("writers", "writer_cpu_ratio")})
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -225,7 +288,8 @@ def main() -> int:
     for i, n in enumerate(sorted(args.turns)):
         configs[n] = run_config(n, args.users_per_1m, readers=(i == 0 and not args.no_readers))
     small, large = configs[min(configs)], configs[max(configs)]
-    out = {k: large[k] for k in ("turns", "ratio", "peak_rss_mb", "incremental_ratio", "files_per_table")}
+    out = {k: large[k] for k in ("turns", "ratio", "cpu_ratio", "ratio_ceiling", "cpu_ratio_ceiling", "peak_rss_mb",
+                                 "incremental_ratio", "files_per_table")}
     if len(configs) > 1:
         out["rss_growth"] = round(large["peak_rss_mb"] / small["peak_rss_mb"], 3)
         out[f"read_ratio_{max(configs) // 1_000_000}m_vs_{min(configs) // 1_000_000}m"] = round(

@@ -38,6 +38,7 @@ from deltalake import CommitProperties, DeltaTable, WriterProperties, write_delt
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
+from qumem_pipeline.storage.file_commit import commit_append, commit_new_table, fast_path_ok, may_hold, write_files
 
 KEY, BUCKET, PLACEHOLDER = "user_key", "user_bucket", "user_placeholder"
 STORE_COLUMNS = (KEY, BUCKET, PLACEHOLDER)
@@ -328,8 +329,12 @@ class TableStore:
         df = df.select([KEY, BUCKET, PLACEHOLDER, *target.keys()])
         if not df[KEY].is_sorted():  # rows usually come in user order already: skip a copy of every column
             df = df.sort(KEY, maintain_order=True)
-        arrow = df.to_arrow()
         commit = CommitProperties(custom_metadata={"qumem.operation": operation, "qumem.users": str(len(users))})
+        if self._fast_write(table, dt, df, target, new_cols, buckets, operation, commit, n):
+            self._tables.pop(table, None)
+            dt2 = self._open(table)
+            return dt2.version() if dt2 is not None else -1
+        arrow = df.to_arrow()
         if dt is None:
             hints = {c: _dtype_to_str(t) for c, t in target.items() if _lossy(t)}
             meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": hints}
@@ -349,6 +354,31 @@ class TableStore:
         self._tables.pop(table, None)
         dt2 = self._open(table)
         return dt2.version() if dt2 is not None else -1
+
+    def _fast_write(self, table: str, dt: DeltaTable | None, df: pl.DataFrame, target: pl.Schema, new_cols: dict,
+                    buckets: dict[str, int], operation: str, commit: CommitProperties, n: int) -> bool:
+        """Write `df` as new files plus one add-only commit (storage/file_commit.py) when the write
+        removes nothing: an append, or a replace none of whose users a stored file may hold. False:
+        the caller writes through delta-rs."""
+        if new_cols or not fast_path_ok(target) or (dt is not None and self._meta(dt).get("dtypes")):
+            return False
+        if operation != "append":
+            by_bucket: dict[int, list[str]] = {}
+            for u, b in buckets.items():
+                by_bucket.setdefault(b, []).append(u)
+            if may_hold(dt, by_bucket, KEY, BUCKET):
+                return False
+        fs, base = self.filesystem()
+        adds = write_files(df, fs, f"{base}/{table}", key=KEY, bucket=BUCKET, row_group_rows=ROW_GROUP_ROWS,
+                           target_file_bytes=TARGET_FILE_SIZE)
+        if dt is None:
+            meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": {}}
+            commit_new_table(self.uri(table), df.clear().to_arrow().schema, adds, partition_by=[BUCKET],
+                             description=json.dumps(meta), configuration=_TABLE_CONFIG,
+                             storage_options=self.storage_options, commit=commit)
+        else:
+            commit_append(dt, adds, partition_by=[BUCKET], commit=commit)
+        return True
 
     def _data_schema(self, dt: DeltaTable) -> pl.Schema:
         arrow = _pa_schema(dt.schema().to_arrow())

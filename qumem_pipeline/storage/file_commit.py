@@ -1,0 +1,115 @@
+"""Add rows to a Delta table by writing its Parquet files here and committing them in one transaction.
+
+Why: delta-rs' own writer (`write_deltalake`) spends about twice the CPU of polars' Parquet writer
+on the same rows and codec (`python bench/ingest.py` `writers`: the turns of a generated archive
+written both ways in the same run), and on a fresh ingest that write is the largest stage. A
+write that removes nothing needs none of delta-rs' rewrite machinery: an append, or a replace
+whose users no file of the touched partitions can hold (a fresh table, new users, the groups of
+a first ingest), is the new files plus one commit of their add actions. Every write that must
+take rows out still goes through delta-rs (predicate overwrite: it rewrites the files it touches).
+
+Files follow the table's layout exactly: one directory per `user_bucket` (the partition column is
+not stored in the file), rows in the order given (sorted by `user_key`), row groups of
+`row_group_rows` rows (footer statistics prune a user lookup), add-action statistics on
+`user_key` only (no user text in the log). A writer killed before the commit leaves unreferenced
+files only: the table's previous version is intact and vacuum removes them.
+"""
+
+import io
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import polars as pl
+import pyarrow.fs as pafs
+from deltalake import CommitProperties, DeltaTable, Schema
+from deltalake.transaction import AddAction, create_table_with_add_actions
+
+# zstd level 1: ~10% more bytes than zstd's default level for ~10% less CPU; snappy would cut
+# another ~20% of CPU for ~45% more bytes (measured on the bench's turns).
+CODEC, CODEC_LEVEL = "zstd", 1
+
+
+def fast_path_ok(schema: pl.Schema) -> bool:
+    """Whether polars writes every column as delta-rs would: flat signed types only (lists,
+    arrays, structs, unsigned ints and timestamps without a time zone differ in their
+    Parquet/Delta mapping) — other tables keep delta-rs' writer."""
+    for t in schema.values():
+        if isinstance(t, (pl.List, pl.Array, pl.Struct, pl.Object, pl.Decimal, pl.Categorical, pl.Enum)):
+            return False
+        if t in (pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64):  # Delta has no unsigned ints
+            return False
+        if isinstance(t, pl.Datetime) and t.time_zone is None:
+            return False
+    return True
+
+
+def may_hold(dt: DeltaTable | None, users_by_bucket: dict[int, list[str]], key: str, bucket: str) -> bool:
+    """Whether a file of the touched partitions may hold one of the users (its `key` range,
+    from the add actions' statistics, covers one of them; a file without statistics may)."""
+    if dt is None:
+        return False
+    acts = pl.DataFrame(dt.get_add_actions(flatten=True))
+    if acts.height == 0:
+        return False
+    part, lo, hi = f"partition.{bucket}", f"min.{key}", f"max.{key}"
+    if lo not in acts.columns or hi not in acts.columns:
+        return True
+    acts = acts.filter(pl.col(part).is_in(list(users_by_bucket)))
+    for b, lo_v, hi_v in acts.select(part, lo, hi).iter_rows():
+        if lo_v is None or hi_v is None:
+            return True
+        if any(lo_v <= u <= hi_v for u in users_by_bucket.get(b, ())):
+            return True
+    return False
+
+
+def write_files(df: pl.DataFrame, fs: pafs.FileSystem, table_path: str, *, key: str, bucket: str,
+                row_group_rows: int, target_file_bytes: int) -> list[AddAction]:
+    """One Parquet file (or more, for a partition over `target_file_bytes` in memory) per bucket of
+    `df`, under `table_path`; the add actions that name them."""
+    adds = []
+    local = isinstance(fs, pafs.LocalFileSystem)
+    for (b,), part in df.partition_by(bucket, as_dict=True, maintain_order=True).items():
+        part = part.drop(bucket)
+        pieces = max(1, -(-int(part.estimated_size()) // max(1, target_file_bytes)))
+        step = -(-part.height // pieces)
+        for i in range(pieces):
+            piece = part.slice(i * step, step)
+            if piece.height == 0:
+                continue
+            rel = f"{bucket}={b}/part-{i:05d}-{uuid.uuid4()}-c000.{CODEC}.parquet"
+            path = f"{table_path}/{rel}"
+            if local:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                piece.write_parquet(path, compression=CODEC, compression_level=CODEC_LEVEL,
+                                    row_group_size=row_group_rows, statistics=True)
+                size = os.path.getsize(path)
+            else:
+                buf = io.BytesIO()
+                piece.write_parquet(buf, compression=CODEC, compression_level=CODEC_LEVEL,
+                                    row_group_size=row_group_rows, statistics=True)
+                data = buf.getvalue()
+                with fs.open_output_stream(path) as out:
+                    out.write(data)
+                size = len(data)
+            keys = piece.get_column(key)
+            stats = {"numRecords": piece.height, "minValues": {key: keys.min()}, "maxValues": {key: keys.max()},
+                     "nullCount": {key: keys.null_count()}}
+            adds.append(AddAction(rel, size, {bucket: str(b)}, int(time.time() * 1000), True, json.dumps(stats)))
+    return adds
+
+
+def commit_new_table(uri: str, schema, adds: list[AddAction], *, partition_by: list[str], description: str,
+                     configuration: dict, storage_options: dict | None, commit: CommitProperties) -> None:
+    """Create the table with these files as its first version (fails if it exists: the caller retries)."""
+    create_table_with_add_actions(uri, Schema.from_arrow(schema), adds, mode="error", partition_by=partition_by,
+                                  description=description, configuration=configuration,
+                                  storage_options=storage_options, commit_properties=commit)
+
+
+def commit_append(dt: DeltaTable, adds: list[AddAction], *, partition_by: list[str], commit: CommitProperties) -> None:
+    """One append commit of these files, under the table's own schema."""
+    dt.create_write_transaction(adds, "append", dt.schema(), partition_by=partition_by, commit_properties=commit)
