@@ -95,3 +95,25 @@ def test_only_flat_signed_types_take_the_add_only_path():
                                                "d": pl.Boolean, "e": pl.Float32}))
     for t in (pl.List(pl.Int64), pl.Array(pl.Float32, 2), pl.UInt32, pl.Datetime("us"), pl.Struct({"x": pl.Int8})):
         assert not file_commit.fast_path_ok(pl.Schema({"a": pl.String, "x": t}))
+
+
+def test_a_concurrent_writer_of_the_same_users_loses_to_the_later_replace(tmp_path, monkeypatch):
+    """A blind append cannot conflict: when another writer adds rows of the same (new) users
+    between this writer's check and its commit, this writer's replace goes through delta-rs after
+    its commit, so the users end with exactly the later writer's rows (as delta-rs' own conflict
+    retry would leave them)."""
+    TableStore(tmp_path, n_buckets=4).replace_keyed("t", ["a"], _rows(["a"]))
+    real = table_store.commit_append
+    state = {"raced": False}
+
+    def racing_commit(dt, adds, **kw):
+        if not state["raced"]:
+            state["raced"] = True
+            TableStore(tmp_path).replace_keyed("t", ["x"], _rows(["x"], tag="other"))  # the other writer
+        return real(dt, adds, **kw)
+
+    monkeypatch.setattr(table_store, "commit_append", racing_commit)
+    TableStore(tmp_path).replace_keyed("t", ["x"], _rows(["x"], tag="mine"))
+    assert state["raced"]
+    got = TableStore(tmp_path).read("t", ["x"])
+    assert got["text"].to_list() == ["x-mine-0", "x-mine-1", "x-mine-2"]

@@ -7,6 +7,9 @@ write that removes nothing needs none of delta-rs' rewrite machinery: an append,
 whose users no file of the touched partitions can hold (a fresh table, new users, the groups of
 a first ingest), is the new files plus one commit of their add actions. Every write that must
 take rows out still goes through delta-rs (predicate overwrite: it rewrites the files it touches).
+A blind append cannot conflict, so a replace checks after its commit that no other writer added
+rows of the same users meanwhile; if one did, the caller replaces them through delta-rs, so the
+last writer wins as with delta-rs' own conflict retry.
 
 Files follow the table's layout exactly: one directory per `user_bucket` (the partition column is
 not stored in the file), rows in the order given (sorted by `user_key`), row groups of
@@ -46,12 +49,16 @@ def fast_path_ok(schema: pl.Schema) -> bool:
     return True
 
 
-def may_hold(dt: DeltaTable | None, users_by_bucket: dict[int, list[str]], key: str, bucket: str) -> bool:
-    """Whether a file of the touched partitions may hold one of the users (its `key` range,
-    from the add actions' statistics, covers one of them; a file without statistics may)."""
+def may_hold(dt: DeltaTable | None, users_by_bucket: dict[int, list[str]], key: str, bucket: str,
+             exclude: set[str] = frozenset()) -> bool:
+    """Whether a file of the touched partitions (other than `exclude`) may hold one of the users
+    (its `key` range, from the add actions' statistics, covers one of them; a file without
+    statistics may)."""
     if dt is None:
         return False
     acts = pl.DataFrame(dt.get_add_actions(flatten=True))
+    if exclude and acts.height:
+        acts = acts.filter(~pl.col("path").is_in(sorted(exclude)))
     if acts.height == 0:
         return False
     part, lo, hi = f"partition.{bucket}", f"min.{key}", f"max.{key}"

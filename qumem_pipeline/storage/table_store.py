@@ -334,6 +334,7 @@ class TableStore:
             self._tables.pop(table, None)
             dt2 = self._open(table)
             return dt2.version() if dt2 is not None else -1
+        dt = self._open(table)  # the add-only path may have committed (then raced): write on the latest
         arrow = df.to_arrow()
         if dt is None:
             hints = {c: _dtype_to_str(t) for c, t in target.items() if _lossy(t)}
@@ -378,6 +379,12 @@ class TableStore:
                              storage_options=self.storage_options, commit=commit)
         else:
             commit_append(dt, adds, partition_by=[BUCKET], commit=commit)
+        if operation != "append":
+            # A blind append never conflicts: another writer of the same users between our check and
+            # our commit would leave both copies. Then the rows are replaced through delta-rs.
+            self._tables.pop(table, None)
+            if may_hold(self._open(table), by_bucket, KEY, BUCKET, exclude={a.path for a in adds}):
+                return False
         return True
 
     def _data_schema(self, dt: DeltaTable) -> pl.Schema:
