@@ -141,14 +141,14 @@ def sync_archive(
     raise to stop the sync (blocking checks): nothing of that group is written, groups written
     before it stay, and the files stay pending, so the next sync redoes them."""
     t0 = time.perf_counter()
-    with _exclusive(layout):
+    with _exclusive(layout) as lease:
         version = ingest_version(cfg)
         plan = plan_files(list_archive(cfg.path, cfg.format), read_manifest(layout), version)
         report = SyncReport(new=[f.file_id for f in plan.new], changed=[f.file_id for f in plan.changed],
                             gone=list(plan.gone), unchanged=len(plan.unchanged))
         if plan.touched:
             job = _Sync(cfg, layout, forgotten, plan, version, report, now)
-            job.reader, job.before_commit = reader, before_commit
+            job.reader, job.before_commit, job.lease = reader, before_commit, lease
             job.run(chunk_bytes, batch_rows, bucket_bytes)
         elif plan.hashes:  # touched, same bytes: remember the new mtime so the hash is not redone
             _write_manifest(layout, plan, {}, version)
@@ -158,11 +158,20 @@ def sync_archive(
 
 @contextmanager
 def _exclusive(layout):
-    """One sync at a time per data root on this machine (two would rebuild the same users)."""
+    """One sync at a time per data root (two would rebuild the same users): a file lock among this
+    machine's processes, then the root's ingest lease among hosts (storage/lease.py) when the
+    layout is the table store. Yields the lease (None without a store): check it before writes."""
     key = hashlib.sha256(str(getattr(layout, "root", id(layout))).encode()).hexdigest()[:16]
     with open(Path(tempfile.gettempdir()) / f"qumem-ingest-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        store = getattr(layout, "store", None)
+        if store is None:
+            yield None
+            return
+        from qumem_pipeline.storage.lease import held
+
+        with held(store.root, "ingest", storage_options=store.storage_options) as lease:
+            yield lease
 
 
 class _Sync:
@@ -174,6 +183,7 @@ class _Sync:
         self.dropped = {f.file_id for f in plan.to_read} | set(plan.gone)
         self.path_ids = {r["path"]: fid for fid, r in plan.old.items()} | {str(f.path): f.file_id for f in plan.files}
         self.file_stats: dict[str, dict] = {}
+        self.lease = None  # the root's ingest lease (storage/lease.py), set by sync_archive
         self.in_memory: list[pl.DataFrame] = []  # staged rows when everything read fits one bucket
         self.staged_users: list[pl.DataFrame] = []
 
@@ -215,6 +225,8 @@ class _Sync:
             # A failure elsewhere still lets the write in flight finish before the lock is released.
             self._writer.shutdown(wait=True)
             shutil.rmtree(scratch, ignore_errors=True)
+        if self.lease is not None:
+            self.lease.check()
         _write_manifest(self.layout, self.plan, self.file_stats, self.version)
 
     def _key_groups(self, scratch: Path, users_by_key: dict[int, list[str]], history: dict[str, int],
@@ -387,6 +399,8 @@ class _Sync:
                 _write(time.perf_counter())
 
         def _write(w: float) -> None:
+            if self.lease is not None:  # a host that lost the root's ingest lease writes nothing more
+                self.lease.check()
             self._write_turns(users, turns, stored_turns)
             if self._may_hold(old_q, quarantine):
                 replace_users(self.layout, "quarantine", users, quarantine)
