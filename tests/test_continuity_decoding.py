@@ -210,9 +210,9 @@ def test_sim_rule_json_and_plain_json_unchanged():
     # the plain rule's JSON is exactly the v1 JSON: versions of artifacts without dips do not move
     assert DecisionRule(0.42).to_json() == {"rule": RULE_NAME, "threshold": 0.42, "peak_threshold": None,
                                             "smoothing": 0.0, "min_segment": 1}
-    with pytest.raises(ValueError, match="sim_threshold is not allowed"):
+    with pytest.raises(ValueError, match="sim_threshold / sim_window not allowed"):
         DecisionRule.from_json({**DecisionRule(0.42).to_json(), "sim_threshold": 0.2})
-    with pytest.raises(ValueError, match="sim_threshold is missing"):
+    with pytest.raises(ValueError, match="sim_threshold / sim_window missing"):
         DecisionRule.from_json({**DecisionRule(0.42).to_json(), "rule": RULE_NAME_SIM})
     assert "cosine < 0.15 and a strict local minimum" in r.describe()
 
@@ -251,10 +251,62 @@ def test_choose_sim_dip_keeps_dev_and_lowers_calib():
     assert sel["dev_pk"] <= sel["dev_pk_without_dips"] == 0.0
     # the join's cosine 0.08 needs threshold 0.1; its P(same) 0.7 needs gate 0.8 (0.6, 0.7 gate it out);
     # dev's 0.1 is not below 0.1: first in grid order among the ties
-    assert (rule.sim_threshold, rule.sim_gate, rule.sim_local_min) == (0.1, 0.8, False)
-    assert SIM_DIP_GRID.index((0.1, 0.8, False)) < SIM_DIP_GRID.index((0.1, 0.8, True))
+    want = (0.1, None, None, 0.8, False)
+    assert (rule.sim_threshold, rule.sim_window, rule.sim_drop, rule.sim_gate, rule.sim_local_min) == want
+    assert SIM_DIP_GRID.index(want) < SIM_DIP_GRID.index((0.1, None, None, 0.8, True))
     # when no dip keeps dev, the rule stays without dips
     dev_bad = ([np.array([0.9, 0.2, 0.5, 0.9, 0.9])], [np.array([0.5, 0.5, 0.01, 0.5, 0.5])], [[0, 1, 0, 0, 0]])
     only, sel2 = choose_sim_dip(DecisionRule(0.42), dev_bad, cal,
-                                grid=[(0.05, None, False), (0.05, 0.6, True)])
+                                grid=[(0.05, None, None, None, False), (0.05, None, None, 0.6, True),
+                                      (None, 1, 0.1, None, False)])
     assert only == DecisionRule(0.42) and "none kept" in sel2["kept"]
+
+
+def test_relative_dips_compare_with_the_neighbours_mean():
+    from qumem_pipeline.episodes.continuity.decoding import neighbour_mean
+
+    np.testing.assert_allclose(neighbour_mean(np.array([0.6, 0.6, 0.2, 0.6, 0.6]), 1), [0.6, 0.4, 0.6, 0.4, 0.6])
+    np.testing.assert_allclose(neighbour_mean(np.array([1.0, 2.0, 3.0, 4.0]), 2), [2.5, 8 / 3, 7 / 3, 2.5])
+    np.testing.assert_allclose(neighbour_mean(np.array([0.3]), 3), [0.3])  # no neighbours: its own value
+    assert neighbour_mean(np.zeros(0), 2).shape == (0,)
+    high = [0.6, 0.6, 0.2, 0.6, 0.6]  # c - mean = 0, 0.2, -0.4, 0.2, 0
+    p = [0.9] * 5
+    rel = DecisionRule(0.42, sim_window=1, sim_drop=0.3, sim_local_min=False)
+    assert bc(rel, p, high) == [0, 0, 1, 0, 0]
+    assert bc(DecisionRule(0.42, sim_window=1, sim_drop=0.45, sim_local_min=False), p, high) == [0] * 5
+    # a low-similarity domain: every cosine is below an absolute 0.2, only the relative dip stands out
+    low = [0.1, 0.1, 0.05, 0.1]  # c - mean(1 each side) = 0, 0.025, -0.05, 0.05
+    assert bc(DecisionRule(0.42, sim_threshold=0.2, sim_local_min=False), [0.9] * 4, low) == [1, 1, 1, 1]
+    assert bc(DecisionRule(0.42, sim_window=1, sim_drop=0.03, sim_local_min=False), [0.9] * 4, low) == [0, 0, 1, 0]
+    # absolute and relative together: both must hold; the gate still applies
+    both = DecisionRule(0.42, sim_threshold=0.04, sim_window=1, sim_drop=0.03, sim_local_min=False)
+    assert bc(both, [0.9] * 4, low) == [0, 0, 0, 0]
+    assert bc(DecisionRule(0.42, sim_window=1, sim_drop=0.03, sim_gate=0.8), [0.9] * 4, low) == [0, 0, 0, 0]
+    assert bc(DecisionRule(0.42, sim_window=5, sim_drop=0.1), [0.9], [0.0]) == [0]  # one gap never dips
+    with pytest.raises(ValueError, match="go together"):
+        DecisionRule(0.42, sim_window=2)
+    with pytest.raises(ValueError, match="sim_window"):
+        DecisionRule(0.42, sim_window=0, sim_drop=0.1)
+    d = json.loads(json.dumps(rel.to_json()))
+    assert DecisionRule.from_json(d) == rel and rel.needs_similarity
+    assert "more than 0.3 below the mean of 1 gaps each side" in rel.describe()
+
+
+def test_choose_sim_dip_refuses_a_dip_that_costs_one_fold_of_dev():
+    from qumem_pipeline.episodes.continuity.tune_decoding import choose_sim_dip
+
+    # three dev dialogues, confident P(same) everywhere; a cosine dip finds the boundary in two of
+    # them (per-dialogue Pk 1/3 -> 0) and adds a false one in the third (0 -> 1/2): dev as a whole
+    # improves (0.222 -> 0.167), but with one dialogue per fold one fold gets worse -> refused
+    p = np.array([0.9] * 7)
+    dev = ([p, p, p],
+           [np.array([0.6, 0.6, 0.05, 0.6, 0.6, 0.6, 0.6]), np.array([0.6, 0.6, 0.6, 0.6, 0.6, 0.05, 0.6]),
+            np.array([0.6, 0.6, 0.6, 0.05, 0.6, 0.6, 0.6])],
+           [[0, 0, 1, 0, 0, 0, 0], [0] * 7, [0, 0, 0, 1, 0, 0, 0]])
+    cal = ([p], [dev[1][0]], [dev[2][0]])
+    grid = [(0.1, None, None, None, False)]
+    rule, sel = choose_sim_dip(DecisionRule(0.42), dev, cal, grid=grid, n_folds=3)
+    assert rule == DecisionRule(0.42) and "none kept" in sel["kept"]
+    # one fold (all of dev together): the same dip is kept
+    rule, sel = choose_sim_dip(DecisionRule(0.42), dev, cal, grid=grid, n_folds=1)
+    assert rule.sim_threshold == 0.1 and sel["dev_pk"] < sel["dev_pk_without_dips"] and sel["calib_pk"] == 0.0

@@ -18,11 +18,14 @@ The rule, applied to the P(same) sequence ``p`` of one history (``p[i]`` joins u
 With the defaults (``w = 0``, no peak threshold, ``m = 1``) it is the plain rule "boundary when
 P(same) < threshold".
 
-4. similarity dips (optional, ``sim_threshold`` set): gap ``i`` is also a boundary when the cosine
-   ``c[i]`` of the base all-MiniLM-L6-v2 embeddings of utterances i, i+1 is below ``sim_threshold``,
-   P(same) ``p[i]`` (unsmoothed) is below ``sim_gate`` (``None``: no gate) and, with
+4. similarity dips (optional, ``sim_threshold`` and/or ``sim_window`` set): gap ``i`` is also a
+   boundary when the cosine ``c[i]`` of the base all-MiniLM-L6-v2 embeddings of utterances i, i+1
+   is low — below ``sim_threshold`` (absolute), and/or more than ``sim_drop`` below the mean cosine
+   of the up to ``sim_window`` gaps on each side (relative; a gap without neighbours never dips) —
+   while P(same) ``p[i]`` (unsmoothed) is below ``sim_gate`` (``None``: no gate) and, with
    ``sim_local_min``, ``c[i]`` is a strict local minimum of the history's cosine sequence. These are
-   added after step 3 (an OR with the classifier's own decision).
+   added after step 3 (an OR with the classifier's own decision). The relative form adapts to how
+   similar a domain's adjacent turns are at all (TIAGE's short turns: low everywhere; LoCoMo's: high).
    Why: out of domain (LoCoMo excerpts joined at known boundaries, :mod:`qumem_pipeline.eval.
    segmentation.ood`) the classifier gives P(same) ~0.78 at joins, against ~0.87 inside excerpts,
    while the base cosine separates them (~0.20 against ~0.44); TIAGE's short turns have low cosine
@@ -46,7 +49,7 @@ import numpy as np
 RULE_NAME = "smooth-threshold-peaks-v1"  # steps 1-3 only (its JSON is unchanged, so are old versions)
 RULE_NAME_SIM = "smooth-threshold-peaks-simdip-v1"  # steps 1-4
 ARTIFACT_FORMAT_V2 = "continuity-minilm-lora-v2"
-_SIM_FIELDS = ("sim_threshold", "sim_gate", "sim_local_min")
+_SIM_FIELDS = ("sim_threshold", "sim_window", "sim_drop", "sim_gate", "sim_local_min")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class DecisionRule:
     smoothing: float = 0.0
     min_segment: int = 1
     sim_threshold: float | None = None
+    sim_window: int | None = None
+    sim_drop: float | None = None
     sim_gate: float | None = None
     sim_local_min: bool = True
 
@@ -72,18 +77,24 @@ class DecisionRule:
             raise ValueError(f"decision rule: sim_threshold {self.sim_threshold} outside [-1, 1]")
         if self.sim_gate is not None and not 0.0 <= self.sim_gate <= 1.0:
             raise ValueError(f"decision rule: sim_gate {self.sim_gate} outside [0, 1] (None: no gate)")
-        if self.sim_threshold is None and (self.sim_gate is not None or self.sim_local_min is not True):
-            raise ValueError("decision rule: sim_gate / sim_local_min need a sim_threshold")
+        if (self.sim_window is None) != (self.sim_drop is None):
+            raise ValueError("decision rule: sim_window and sim_drop go together")
+        if self.sim_window is not None and (int(self.sim_window) != self.sim_window or self.sim_window < 1):
+            raise ValueError(f"decision rule: sim_window {self.sim_window} must be an integer >= 1")
+        if self.sim_drop is not None and not 0.0 <= self.sim_drop <= 2.0:
+            raise ValueError(f"decision rule: sim_drop {self.sim_drop} outside [0, 2]")
+        if not self.needs_similarity and (self.sim_gate is not None or self.sim_local_min is not True):
+            raise ValueError("decision rule: sim_gate / sim_local_min need a sim_threshold or sim_window")
 
     @property
     def is_plain_threshold(self) -> bool:
         return (self.peak_threshold is None and self.smoothing == 0.0 and self.min_segment == 1
-                and self.sim_threshold is None)
+                and not self.needs_similarity)
 
     @property
     def needs_similarity(self) -> bool:
         """Whether :meth:`boundaries` needs the adjacent cosine sequence beside P(same)."""
-        return self.sim_threshold is not None
+        return self.sim_threshold is not None or self.sim_window is not None
 
     def without_similarity(self) -> "DecisionRule":
         """Steps 1-3 alone: the classifier's own decision, without the similarity dips."""
@@ -92,7 +103,11 @@ class DecisionRule:
     def similarity_dips(self, p_same: Sequence[float], cosine: Sequence[float]) -> np.ndarray:
         """Step 4's candidates (bool per gap)."""
         c = np.asarray(cosine, dtype=np.float64)
-        dip = c < self.sim_threshold
+        dip = np.ones(len(c), dtype=bool)
+        if self.sim_threshold is not None:
+            dip &= c < self.sim_threshold
+        if self.sim_window is not None:
+            dip &= c - neighbour_mean(c, int(self.sim_window)) < -self.sim_drop
         if self.sim_gate is not None:
             dip &= np.asarray(p_same, dtype=np.float64) < self.sim_gate
         if self.sim_local_min and len(c):
@@ -117,7 +132,7 @@ class DecisionRule:
         """0/1 per gap (int8): 1 where a new segment starts after that gap.
 
         ``cosine``: the adjacent base-MiniLM cosine per gap (same order); required when the rule
-        has a ``sim_threshold``, ignored otherwise."""
+        has similarity dips, ignored otherwise."""
         if self.needs_similarity:
             if cosine is None:
                 raise ValueError(f"decision rule {self.describe()!r} needs the adjacent cosine per gap (cosine=)")
@@ -152,7 +167,10 @@ class DecisionRule:
         if self.needs_similarity:
             gate = f", P(same) < {self.sim_gate:g}" if self.sim_gate is not None else ""
             lm = " and a strict local minimum" if self.sim_local_min else ""
-            parts.append(f"or adjacent MiniLM cosine < {self.sim_threshold:g}{lm}{gate}")
+            low = [f"< {self.sim_threshold:g}"] if self.sim_threshold is not None else []
+            if self.sim_window is not None:
+                low.append(f"more than {self.sim_drop:g} below the mean of {self.sim_window} gaps each side")
+            parts.append(f"or adjacent MiniLM cosine {' and '.join(low)}{lm}{gate}")
         return "boundary when " + ", ".join(parts)
 
     def to_json(self) -> dict:
@@ -171,9 +189,10 @@ class DecisionRule:
         unknown = set(d) - known - {"rule", "chosen_on", "selection"}
         if unknown:
             raise ValueError(f"decision rule: unknown field(s) {sorted(unknown)}")
-        has_sim = d.get("sim_threshold") is not None
+        has_sim = d.get("sim_threshold") is not None or d.get("sim_window") is not None
         if has_sim != (name == RULE_NAME_SIM):
-            raise ValueError(f"decision rule {name!r}: sim_threshold is {'missing' if not has_sim else 'not allowed'}")
+            raise ValueError(f"decision rule {name!r}: sim_threshold / sim_window "
+                             f"{'missing' if not has_sim else 'not allowed'}")
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
@@ -185,6 +204,19 @@ class DecisionRule:
 
     def fingerprint(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
+
+
+def neighbour_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the up to ``window`` values on each side of each position (itself excluded); a
+    position without neighbours gets its own value (so it is never below its neighbours)."""
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    i = np.arange(n)
+    lo, hi = np.maximum(0, i - window), np.minimum(n, i + window + 1)
+    cnt = (hi - lo - 1).astype(np.float64)
+    tot = c[hi] - c[lo] - x
+    return np.where(cnt > 0, tot / np.maximum(cnt, 1.0), x)
 
 
 def artifact_version(weights_version: str, rule: DecisionRule) -> str:

@@ -84,7 +84,10 @@ class ContinuityClassifier:
     # ------------------------------------------------------------------------------------
     @classmethod
     def load(cls, artifact_dir: str | os.PathLike | None = None,
-             device: str | torch.device | None = None, verify_base: bool = True) -> "ContinuityClassifier":
+             device: str | torch.device | None = None, verify_base: bool = True,
+             verify_version: bool = True) -> "ContinuityClassifier":
+        """``verify_version=False``: accept a stored version that no longer matches the config's rule
+        (only for the tool that rewrites it, :mod:`.tune_decoding`); the version is then the derived one."""
         from safetensors.torch import load_file
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,7 +111,8 @@ class ContinuityClassifier:
         net.eval()
         dev = resolve_device(device)
         net.to(dev)
-        return cls(net, load_tokenizer(), config, dev, version_of_config(config), DecisionRule.from_config(config))
+        version = version_of_config(config if verify_version else {k: v for k, v in config.items() if k != "version"})
+        return cls(net, load_tokenizer(), config, dev, version, DecisionRule.from_config(config))
 
     # ------------------------------------------------------------------------------------
     def prepare(self, pairs: Sequence[tuple[str, str]], batch_size: int):
