@@ -151,8 +151,11 @@ class ContinuityClassifier:
             self._encoder = Embedder.load(device=self.device, path=base_model_dir())
         return self._encoder
 
-    def pair_cosine(self, pairs: Sequence[tuple[str, str]], batch_size: int = 128) -> np.ndarray:
-        """Cosine of the base MiniLM embeddings per (previous, next) pair, float32, input order."""
+    def pair_cosine(self, pairs: Sequence[tuple[str, str]], batch_size: int = 32) -> np.ndarray:
+        """Cosine of the base MiniLM embeddings per (previous, next) pair, float32, input order.
+
+        ``batch_size`` 32, not the index stage's 128: chat turns vary in length and a batch pads to
+        its longest (``bench/episodes_similarity.py`` measures what the cosine adds to the stage)."""
         enc = self.sentence_encoder()
         return pair_cosine(pairs, lambda texts: enc.encode(texts, batch_size=batch_size))
 
