@@ -12,9 +12,10 @@ Test is never looked at for any choice; it is only reported.
 ``--sim-dip`` then adds the similarity dips (decision step 4) to the artifact's rule:
 :func:`choose_sim_dip` takes, from :data:`SIM_DIP_GRID`, the parameters with the lowest Pk on the OOD
 calib half (:mod:`qumem_pipeline.eval.segmentation.ood`, LoCoMo sessions never in OOD eval) among
-those no worse on TIAGE dev than the rule without them. TIAGE test and OOD eval are only reported.
+those no worse than the rule without them on TIAGE dev and on each of its 5 folds. TIAGE test and OOD
+eval are only reported (``metrics`` in the artifact).
 
-    python -m qumem_pipeline.episodes.continuity.tune_decoding --keep-rule --sim-dip --write --json
+    python -m qumem_pipeline.episodes.continuity.tune_decoding --sim-dip --write --json
 """
 
 from __future__ import annotations
