@@ -48,6 +48,7 @@ def episodes(
         turns_by_user,
         lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size, progress=progress),
         rule=model.rule,
+        similarity=model.pair_cosine,  # used only when the rule has similarity dips
         classifier_version=model.version,
         token_budget=continuity.token_budget,
     )

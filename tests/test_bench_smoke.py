@@ -118,3 +118,10 @@ def test_decompose_throughput_smallest():
                     timeout=1800)
     assert {"stage_tok_per_s", "engine_tok_per_s", "ratio", "stage_calls", "engine_wall_s"} <= got.keys()
     assert got["episodes"] == 2 and got["stage_calls"] >= 6
+
+
+def test_episodes_similarity_smallest():
+    got = run_bench("bench/episodes_similarity.py", "--repeats", "1")
+    assert {"shipped_s", "without_dips_s", "added_s", "ratio", "pairs", "classifier_version"} <= got.keys()
+    assert got["pairs"] > 0 and got["shipped_s"] > 0 and got["without_dips_s"] > 0
+    assert got["ratio"] == round(got["shipped_s"] / got["without_dips_s"], 3)

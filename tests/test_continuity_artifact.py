@@ -79,3 +79,29 @@ def test_base_hash_is_verified(tmp_path):
     (tmp_path / "adapters.safetensors").write_bytes((DEFAULT_ARTIFACT_DIR / "adapters.safetensors").read_bytes())
     with pytest.raises(ValueError, match="sha256"):
         ContinuityClassifier.load(tmp_path)
+
+
+def test_the_committed_rule_has_similarity_dips_and_a_derived_version(clf):
+    from qumem_pipeline.contracts.stage_versions import classifier_version
+    from qumem_pipeline.episodes.continuity.decoding import artifact_version
+
+    assert clf.rule.needs_similarity, clf.rule.describe()
+    sel = clf.config["decision"]["selection"]["sim_dip"]
+    assert "OOD calib" in sel["chosen_on"] and sel["dev_pk"] <= sel["dev_pk_without_dips"]
+    assert clf.version == artifact_version(clf.config["weights_version"], clf.rule) == classifier_version()
+
+
+def test_pair_cosine_is_the_base_minilm_cosine(clf):
+    from qumem_pipeline.index.embeddings import Embedder
+
+    pairs = [(PREV, CONT), (PREV, SHIFT), (CONT, PREV), ("", "hi")]
+    c = clf.pair_cosine(pairs)
+    emb = Embedder.load(device="cpu")
+    want = [float(emb.encode([a])[0] @ emb.encode([b])[0]) for a, b in pairs]
+    assert c.dtype == np.float32 and c.shape == (4,)
+    np.testing.assert_allclose(c, want, atol=1e-5)
+    assert c[0] == pytest.approx(c[2], abs=1e-6) and c[0] > c[1]  # symmetric; the puppy pair is closer
+    assert clf.pair_cosine([]).shape == (0,)
+    # the shipped boundaries are the rule applied to both signals
+    p = clf.predict_same_proba(pairs)
+    assert clf.predict_boundaries(pairs).tolist() == clf.rule.boundaries(p, c).tolist()

@@ -149,3 +149,44 @@ def test_batch_across_users_and_stable_ids():
     out2, _ = build_episodes_for_users(turns, predict, threshold=0.5, classifier_version="v")
     assert out["alice"]["episode_id"].to_list() == out2["alice"]["episode_id"].to_list()
     assert out["alice"]["episode_id"][0] == episode_id("alice", 0, 3)
+
+
+def test_the_rule_with_similarity_dips_reads_the_cosine_of_the_same_pairs():
+    # 5 user utterances, P(same) confident everywhere but gap 1; the cosine dips at gap 2
+    p = [0.9, 0.3, 0.8, 0.9]
+    c = [0.6, 0.5, 0.1, 0.7]
+    rule = DecisionRule(0.42, sim_threshold=0.2, sim_gate=0.9)
+    assert segment(p, rule, c) == [(0, 2), (2, 3), (3, 5)]
+    assert segment(p, rule.without_similarity()) == [(0, 2), (2, 5)]
+    turns = {"alice": history(["user", "assistant"] * 5), "bob": history(["user"] * 2, user="bob")}
+    seen = []
+
+    def similarity(pairs):
+        seen.append(list(pairs))
+        return np.array(c + [0.05], dtype=np.float32)  # bob's single gap: 0.05 but P(same) 0.95 > gate
+
+    out, stats = build_episodes_for_users(
+        turns, lambda pairs: np.array(p + [0.95], dtype=np.float32), rule=rule, similarity=similarity,
+        classifier_version="v-sim")
+    assert len(seen) == 1 and len(seen[0]) == 5, "one similarity call, for the classifier's own pairs"
+    assert seen[0][2] == ("word word word word word word word word 4", "word word word word word word word word 6")
+    assert out["alice"]["turn_ids"].to_list() == [[0, 1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    assert out["bob"]["turn_ids"].to_list() == [[0, 1]]
+    # boundary_prob stays 1 - P(same): a dip boundary says how sure the classifier was of continuity
+    assert out["alice"]["boundary_prob"].to_list()[1:] == pytest.approx([0.7, 0.2])
+    assert stats.episodes == 4
+
+
+def test_a_rule_with_dips_without_similarity_is_a_clear_error():
+    rule = DecisionRule(0.42, sim_threshold=0.2)
+    turns = {"alice": history(["user"] * 3)}
+    with pytest.raises(ValueError, match="needs similarity="):
+        build_episodes_for_users(turns, lambda pairs: np.full(len(pairs), 0.9, np.float32), rule=rule,
+                                 classifier_version="v")
+    with pytest.raises(ValueError, match="1 cosines for 2 pairs"):
+        build_episodes_for_users(turns, lambda pairs: np.full(len(pairs), 0.9, np.float32), rule=rule,
+                                 similarity=lambda pairs: np.zeros(1, np.float32), classifier_version="v")
+    # the plain rule never calls it
+    out, _ = build_episodes_for_users(turns, lambda pairs: np.full(len(pairs), 0.9, np.float32),
+                                      rule=DecisionRule(0.42), similarity=lambda pairs: 1 / 0, classifier_version="v")
+    assert out["alice"].height == 1

@@ -44,10 +44,33 @@ def test_classifier_artifact_change_touches_only_episodes(tmp_path, monkeypatch)
     retrained = tmp_path / "continuity"
     shutil.copytree(DEFAULT_CLASSIFIER_DIR, retrained)
     cfg = json.loads((retrained / "config.json").read_text())
-    cfg["version"] = cfg["version"] + "-retrained"
+    cfg["weights_version"] = cfg["weights_version"] + "-retrained"
+    cfg.pop("version")  # derived from the weights version and the decision rule, never typed in
     (retrained / "config.json").write_text(json.dumps(cfg))
     monkeypatch.setenv("QUMEM_CLASSIFIER_DIR", str(retrained))
     assert _changed(before, _versions()) == {"episodes"}
+
+
+def test_a_decision_rule_change_alone_moves_the_classifier_version(tmp_path, monkeypatch):
+    before = _versions()
+    retuned = tmp_path / "continuity"
+    shutil.copytree(DEFAULT_CLASSIFIER_DIR, retuned)
+    cfg = json.loads((retuned / "config.json").read_text())
+    was = stage_versions.classifier_version(str(retuned))
+    cfg["decision"]["threshold"] = round(cfg["decision"]["threshold"] + 0.01, 2)
+    cfg.pop("version")
+    (retuned / "config.json").write_text(json.dumps(cfg))
+    assert stage_versions.classifier_version(str(retuned)) != was
+    monkeypatch.setenv("QUMEM_CLASSIFIER_DIR", str(retuned))
+    assert _changed(before, _versions()) == {"episodes"}
+    cfg["version"] = was  # an edited rule under the old version is refused, not silently kept
+    (retuned / "config.json").write_text(json.dumps(cfg))
+    try:
+        stage_versions.classifier_version(str(retuned))
+    except RuntimeError as e:
+        assert "does not match" in str(e)
+    else:
+        raise AssertionError("a stale stored version must fail")
 
 
 def test_prompt_and_embedder_changes(monkeypatch):

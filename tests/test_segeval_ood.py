@@ -122,16 +122,27 @@ def test_side_by_side_on_slices(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == json.loads(json.dumps(res))
     assert any(line.startswith("minilm_adjacent_sim") for line in out)
-    assert res["classifiers"]["classifier"]["sim_dip"]["dev_pk"] <= res["classifiers"]["classifier"]["sim_dip"]["dev_pk_classifier_rule"]
-    assert set(res["systems"]) == {"classifier", "classifier+sim_dip", "minilm_adjacent_sim", "texttiling_minilm", "fixed_window_4",
-                                   "all_continue", "random_0.2"}
+    rechosen = res["classifiers"]["classifier"]["sim_dip_rechosen"]
+    assert "kept" in rechosen or rechosen["dev_pk"] <= rechosen["dev_pk_without_dips"]
+    assert res["classifiers"]["classifier"]["version"] == clf.version
+    assert clf.rule.needs_similarity, "the committed artifact ships the similarity dips"
+    assert set(res["systems"]) == {"classifier", "classifier/no_sim_dip", "classifier+sim_dip(rechosen)",
+                                   "minilm_adjacent_sim", "texttiling_minilm", "fixed_window_4", "all_continue",
+                                   "random_0.2"}
     for system, by_set in res["systems"].items():
         assert set(by_set) == set(sets), system
         for s in by_set.values():
             assert 0.0 <= s["pk"] <= 1.0 and 0.0 <= s["f1"] <= 1.0
     for name, ds in sets.items():
-        want = evaluate([d.boundaries for d in ds], classifier_boundaries(ds, clf))
-        assert res["systems"]["classifier"][name]["pk"] == round(want.pk, 4)
+        # the `classifier` row is the episodes stage's rule: the classifier's predict_boundaries per dialogue
+        shipped = [clf.predict_boundaries([(d.utterances[i], d.utterances[i + 1]) for i in range(len(d.utterances) - 1)])
+                   for d in ds]
+        assert res["systems"]["classifier"][name]["pk"] == round(evaluate([d.boundaries for d in ds], shipped).pk, 4)
+        # the reference row is the classifier's decision alone, as the single-file evaluation scores it
+        alone = evaluate([d.boundaries for d in ds], [clf.rule.without_similarity().boundaries(
+            clf.predict_same_proba([(d.utterances[i], d.utterances[i + 1]) for i in range(len(d.utterances) - 1)]))
+            for d in ds])
+        assert res["systems"]["classifier/no_sim_dip"][name]["pk"] == round(alone.pk, 4)
     assert res["systems"]["all_continue"]["ood_eval"]["f1"] == 0.0
     assert 0.0 <= res["minilm_adjacent_sim_threshold"] <= 0.9
 
@@ -145,21 +156,3 @@ def test_sim_threshold_is_chosen_by_pk():
     t = choose_sim_threshold(sims, ds)
     assert 0.305 < t <= 0.6  # separates both boundaries from every continuation
     assert [list((s < t).astype(int)) for s in sims] == [d.boundaries for d in ds]
-
-
-def test_sim_dip_rule_and_its_choice():
-    from qumem_pipeline.episodes.continuity.decoding import DecisionRule
-    from qumem_pipeline.eval.segmentation.robustness import SimDipRule, choose_sim_dip
-
-    p = np.array([0.9, 0.3, 0.85, 0.7, 0.95])
-    c = np.array([0.6, 0.5, 0.1, 0.05, 0.7])
-    base = DecisionRule(0.42).boundaries(p)
-    assert list(SimDipRule(0.2, 0.9, False).boundaries(base, p, c)) == [0, 1, 1, 1, 0]
-    assert list(SimDipRule(0.2, 0.9, True).boundaries(base, p, c)) == [0, 1, 0, 1, 0]  # 0.1 is no dip
-    assert list(SimDipRule(0.2, 0.8, False).boundaries(base, p, c)) == [0, 1, 0, 1, 0]  # P(same) 0.85 gated
-    # dev: the cosine only adds false boundaries, calib: it finds the join -> the choice keeps dev intact
-    dev = ([np.array([0.9, 0.2, 0.9, 0.9, 0.9])], [np.array([0.1, 0.1, 0.1, 0.1, 0.1])], [[0, 1, 0, 0, 0]])
-    cal = ([np.array([0.9, 0.9, 0.7, 0.9, 0.9])], [np.array([0.6, 0.6, 0.08, 0.6, 0.6])], [[0, 0, 1, 0, 0]])
-    rule, sel = choose_sim_dip(DecisionRule(0.42), dev, cal)
-    assert sel["dev_pk"] <= sel["dev_pk_classifier_rule"] and sel["calib_pk"] == 0.0
-    assert rule.p_gate <= 0.9 or rule.sim_threshold <= 0.1

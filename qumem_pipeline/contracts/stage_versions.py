@@ -141,7 +141,8 @@ def git_commit() -> str | None:
 
 # -- the other inputs ---------------------------------------------------------------------------
 def classifier_version(artifact_dir: str | None = None) -> str:
-    """The `version` field of the classifier artifact's config.json (it hashes the adapters)."""
+    """The classifier artifact's version, derived from its config.json (weights version + decision rule,
+    checked against the stored `version`): a rule change moves it without anyone typing a version."""
     adir = Path(artifact_dir or os.environ.get("QUMEM_CLASSIFIER_DIR") or DEFAULT_CLASSIFIER_DIR)
     cfg = adir / "config.json"
     try:
@@ -154,7 +155,9 @@ def classifier_version(artifact_dir: str | None = None) -> str:
 @functools.lru_cache(maxsize=64)
 def _read_version_field(path: str, mtime_ns: int, size: int) -> str:
     """Cached per (file, mtime, size): rows call this per row, the file changes only on retraining."""
-    return str(json.loads(Path(path).read_text())["version"])
+    from qumem_pipeline.episodes.continuity.decoding import version_of_config  # numpy + json only
+
+    return version_of_config(json.loads(Path(path).read_text()))
 
 
 @functools.lru_cache(maxsize=None)

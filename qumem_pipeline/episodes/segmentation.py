@@ -5,6 +5,11 @@ with the user utterance they follow, as context. An episode is a maximal run of 
 utterances the classifier judged continuous. A run that exceeds the token budget (what the
 decomposition LLM can read at once) is split at its weakest continuity point, recursively,
 and every forced split is counted — nothing is ever truncated.
+
+Boundaries come from the classifier artifact's decision rule; when it has similarity dips it also
+reads the base-MiniLM cosine of the same adjacent user-utterance pairs (``similarity=``, the
+classifier's ``pair_cosine``), so the stage applies exactly the rule `qumem eval segmentation-ood`
+reports.
 """
 
 import hashlib
@@ -89,14 +94,16 @@ def build_units(roles: Sequence[str], turn_indices: Sequence[int], token_counts:
     return [Unit(u, t) for u, t in zip(units, tokens)]
 
 
-def segment(p_same: Sequence[float], rule: DecisionRule | float) -> list[tuple[int, int]]:
+def segment(p_same: Sequence[float], rule: DecisionRule | float,
+            cosine: Sequence[float] | None = None) -> list[tuple[int, int]]:
     """Units [start, end) per episode: a boundary wherever the decision rule puts one.
 
     ``rule`` is the classifier artifact's :class:`DecisionRule` (the same one `qumem eval
     segmentation` applies); a bare float is the plain rule "boundary where P(same) < threshold".
+    ``cosine``: the adjacent cosine per link, for a rule with similarity dips.
     """
     n = len(p_same) + 1
-    cuts = np.flatnonzero(as_rule(rule).boundaries(p_same)) if len(p_same) else []
+    cuts = np.flatnonzero(as_rule(rule).boundaries(p_same, cosine)) if len(p_same) else []
     starts = [0] + [int(i) + 1 for i in cuts]
     return [(s, e) for s, e in zip(starts, starts[1:] + [n])]
 
@@ -182,8 +189,10 @@ def build_user_episodes(
     count_tokens: Callable[[str], int] = estimate_tokens,
     stats: EpisodeStats | None = None,
     break_on_session: bool = True,
+    cosine: np.ndarray | None = None,
 ) -> pl.DataFrame:
-    """Episodes of one user from their turns and the classifier's P(same) for each user pair.
+    """Episodes of one user from their turns and the classifier's P(same) for each user pair
+    (and, for a rule with similarity dips, the pairs' base-MiniLM ``cosine``).
 
     ``break_on_session``: a change of (conversation_id, session_id) between user utterances always
     starts a new episode (counted in stats.session_breaks), on top of the classifier's boundaries.
@@ -206,9 +215,12 @@ def build_user_episodes(
     if len(p_same) != expected:
         raise ValueError(f"user {user_id}: {len(p_same)} decisions for {n_user} user utterances (need {expected})")
     p = [float(x) for x in p_same]
+    c = None if cosine is None else [float(x) for x in cosine]
+    if c is not None and len(c) != len(p):
+        raise ValueError(f"user {user_id}: {len(c)} cosines for {len(p)} decisions")
     if n_user == 0:  # only context turns: one episode, no decisions
-        p = []
-    spans = segment(p, rule)
+        p, c = [], ([] if c is not None else None)
+    spans = segment(p, rule, c)
     breaks: set[int] = set()
     if break_on_session and n_user > 1:
         user_sessions = {t: k for t, k, r in zip(tis, sessions, roles) if r == "user"}
@@ -262,15 +274,25 @@ def build_episodes_for_users(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     count_tokens: Callable[[str], int] = estimate_tokens,
     break_on_session: bool = True,
+    similarity: Callable[[list[tuple[str, str]]], np.ndarray] | None = None,
 ) -> tuple[dict[str, pl.DataFrame], EpisodeStats]:
     """All users' pairs go through the classifier as one batch; then episodes per user.
 
     ``rule``: the classifier's decision rule (``clf.rule``); ``threshold``: the plain rule.
+    ``similarity``: pairs -> base-MiniLM cosine per pair (``clf.pair_cosine``); called, once for all
+    pairs, only when the rule has similarity dips, and required then.
     """
     rule = _one_rule(rule, threshold)
+    if rule.needs_similarity and similarity is None:
+        raise ValueError(f"the decision rule ({rule.describe()}) needs similarity= (the classifier's pair_cosine)")
     pairs_by_user = {u: user_pairs(t) for u, t in turns_by_user.items()}
     all_pairs = [p for u in turns_by_user for p in pairs_by_user[u]]
     probs = predict_same(all_pairs) if all_pairs else np.zeros(0, dtype=np.float32)
+    cos = None
+    if rule.needs_similarity:
+        cos = np.asarray(similarity(all_pairs), dtype=np.float32) if all_pairs else np.zeros(0, dtype=np.float32)
+        if len(cos) != len(all_pairs):
+            raise ValueError(f"similarity returned {len(cos)} cosines for {len(all_pairs)} pairs")
     fault_point("episodes.classify")  # crash tests: killed after classifying, before any episode is written
     stats = EpisodeStats()
     out: dict[str, pl.DataFrame] = {}
@@ -280,6 +302,7 @@ def build_episodes_for_users(
         out[u] = build_user_episodes(
             t, probs[offset : offset + n], rule=rule, classifier_version=classifier_version,
             token_budget=token_budget, count_tokens=count_tokens, stats=stats, break_on_session=break_on_session,
+            cosine=None if cos is None else cos[offset : offset + n],
         )
         offset += n
     return out, stats

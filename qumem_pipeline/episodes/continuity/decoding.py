@@ -17,17 +17,39 @@ The rule, applied to the P(same) sequence ``p`` of one history (``p[i]`` joins u
 
 With the defaults (``w = 0``, no peak threshold, ``m = 1``) it is the plain rule "boundary when
 P(same) < threshold".
+
+4. similarity dips (optional, ``sim_threshold`` and/or ``sim_window`` set): gap ``i`` is also a
+   boundary when the cosine ``c[i]`` of the base all-MiniLM-L6-v2 embeddings of utterances i, i+1
+   is low — below ``sim_threshold`` (absolute), and/or more than ``sim_drop`` below the mean cosine
+   of the up to ``sim_window`` gaps on each side (relative; a gap without neighbours never dips) —
+   while P(same) ``p[i]`` (unsmoothed) is below ``sim_gate`` (``None``: no gate) and, with
+   ``sim_local_min``, ``c[i]`` is a strict local minimum of the history's cosine sequence. These are
+   added after step 3 (an OR with the classifier's own decision). The relative form adapts to how
+   similar a domain's adjacent turns are at all (TIAGE's short turns: low everywhere; LoCoMo's: high).
+   Why: out of domain (LoCoMo excerpts joined at known boundaries, :mod:`qumem_pipeline.eval.
+   segmentation.ood`) the classifier gives P(same) ~0.78 at joins, against ~0.87 inside excerpts,
+   while the base cosine separates them (~0.20 against ~0.44); TIAGE's short turns have low cosine
+   everywhere, so an ungated cosine rule costs TIAGE — the gate and the dip keep the cosine to the
+   clear cases. Its parameters are chosen on TIAGE dev (no worse than the rule without it) and the
+   OOD calib half (:func:`qumem_pipeline.episodes.continuity.tune_decoding.choose_sim_dip`).
+
+The artifact's ``version`` is derived from its weights version and this rule's JSON
+(:func:`artifact_version`), never typed in: a rule change is a new classifier version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-RULE_NAME = "smooth-threshold-peaks-v1"
+RULE_NAME = "smooth-threshold-peaks-v1"  # steps 1-3 only (its JSON is unchanged, so are old versions)
+RULE_NAME_SIM = "smooth-threshold-peaks-simdip-v1"  # steps 1-4
+ARTIFACT_FORMAT_V2 = "continuity-minilm-lora-v2"
+_SIM_FIELDS = ("sim_threshold", "sim_window", "sim_drop", "sim_gate", "sim_local_min")
 
 
 @dataclass(frozen=True)
@@ -36,6 +58,11 @@ class DecisionRule:
     peak_threshold: float | None = None
     smoothing: float = 0.0
     min_segment: int = 1
+    sim_threshold: float | None = None
+    sim_window: int | None = None
+    sim_drop: float | None = None
+    sim_gate: float | None = None
+    sim_local_min: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
@@ -46,10 +73,48 @@ class DecisionRule:
             raise ValueError(f"decision rule: smoothing {self.smoothing} outside [0, 1)")
         if int(self.min_segment) != self.min_segment or self.min_segment < 1:
             raise ValueError(f"decision rule: min_segment {self.min_segment} must be an integer >= 1")
+        if self.sim_threshold is not None and not -1.0 <= self.sim_threshold <= 1.0:
+            raise ValueError(f"decision rule: sim_threshold {self.sim_threshold} outside [-1, 1]")
+        if self.sim_gate is not None and not 0.0 <= self.sim_gate <= 1.0:
+            raise ValueError(f"decision rule: sim_gate {self.sim_gate} outside [0, 1] (None: no gate)")
+        if (self.sim_window is None) != (self.sim_drop is None):
+            raise ValueError("decision rule: sim_window and sim_drop go together")
+        if self.sim_window is not None and (int(self.sim_window) != self.sim_window or self.sim_window < 1):
+            raise ValueError(f"decision rule: sim_window {self.sim_window} must be an integer >= 1")
+        if self.sim_drop is not None and not 0.0 <= self.sim_drop <= 2.0:
+            raise ValueError(f"decision rule: sim_drop {self.sim_drop} outside [0, 2]")
+        if not self.needs_similarity and (self.sim_gate is not None or self.sim_local_min is not True):
+            raise ValueError("decision rule: sim_gate / sim_local_min need a sim_threshold or sim_window")
 
     @property
     def is_plain_threshold(self) -> bool:
-        return self.peak_threshold is None and self.smoothing == 0.0 and self.min_segment == 1
+        return (self.peak_threshold is None and self.smoothing == 0.0 and self.min_segment == 1
+                and not self.needs_similarity)
+
+    @property
+    def needs_similarity(self) -> bool:
+        """Whether :meth:`boundaries` needs the adjacent cosine sequence beside P(same)."""
+        return self.sim_threshold is not None or self.sim_window is not None
+
+    def without_similarity(self) -> "DecisionRule":
+        """Steps 1-3 alone: the classifier's own decision, without the similarity dips."""
+        return DecisionRule(self.threshold, self.peak_threshold, self.smoothing, self.min_segment)
+
+    def similarity_dips(self, p_same: Sequence[float], cosine: Sequence[float]) -> np.ndarray:
+        """Step 4's candidates (bool per gap)."""
+        c = np.asarray(cosine, dtype=np.float64)
+        dip = np.ones(len(c), dtype=bool)
+        if self.sim_threshold is not None:
+            dip &= c < self.sim_threshold
+        if self.sim_window is not None:
+            dip &= c - neighbour_mean(c, int(self.sim_window)) < -self.sim_drop
+        if self.sim_gate is not None:
+            dip &= np.asarray(p_same, dtype=np.float64) < self.sim_gate
+        if self.sim_local_min and len(c):
+            left = np.concatenate([[np.inf], c[:-1]])
+            right = np.concatenate([c[1:], [np.inf]])
+            dip &= (c < left) & (c < right)
+        return dip
 
     def smoothed(self, p_same: Sequence[float]) -> np.ndarray:
         p = np.asarray(p_same, dtype=np.float64)
@@ -63,8 +128,16 @@ class DecisionRule:
         nb_cnt[:-1] += 1
         return (1.0 - self.smoothing) * p + self.smoothing * nb_sum / nb_cnt
 
-    def boundaries(self, p_same: Sequence[float]) -> np.ndarray:
-        """0/1 per gap (int8): 1 where a new segment starts after that gap."""
+    def boundaries(self, p_same: Sequence[float], cosine: Sequence[float] | None = None) -> np.ndarray:
+        """0/1 per gap (int8): 1 where a new segment starts after that gap.
+
+        ``cosine``: the adjacent base-MiniLM cosine per gap (same order); required when the rule
+        has similarity dips, ignored otherwise."""
+        if self.needs_similarity:
+            if cosine is None:
+                raise ValueError(f"decision rule {self.describe()!r} needs the adjacent cosine per gap (cosine=)")
+            if len(cosine) != len(p_same):
+                raise ValueError(f"decision rule: {len(cosine)} cosines for {len(p_same)} P(same) values")
         q = self.smoothed(p_same)
         n = len(q)
         cand = q < self.threshold
@@ -81,6 +154,8 @@ class DecisionRule:
                 if not kept[lo:hi].any():
                     kept[i] = True
             cand = kept
+        if self.needs_similarity and n:
+            cand = cand | self.similarity_dips(p_same, cosine)
         return cand.astype(np.int8)
 
     def describe(self) -> str:
@@ -89,19 +164,35 @@ class DecisionRule:
             parts.append(f"or a strict local minimum < {self.peak_threshold:g}")
         if self.min_segment > 1:
             parts.append(f"min segment {self.min_segment}")
+        if self.needs_similarity:
+            gate = f", P(same) < {self.sim_gate:g}" if self.sim_gate is not None else ""
+            lm = " and a strict local minimum" if self.sim_local_min else ""
+            low = [f"< {self.sim_threshold:g}"] if self.sim_threshold is not None else []
+            if self.sim_window is not None:
+                low.append(f"more than {self.sim_drop:g} below the mean of {self.sim_window} gaps each side")
+            parts.append(f"or adjacent MiniLM cosine {' and '.join(low)}{lm}{gate}")
         return "boundary when " + ", ".join(parts)
 
     def to_json(self) -> dict:
-        return {"rule": RULE_NAME, **asdict(self)}
+        """Without similarity dips, exactly the v1 JSON (so versions of such artifacts do not move)."""
+        d = asdict(self)
+        if not self.needs_similarity:
+            return {"rule": RULE_NAME, **{k: v for k, v in d.items() if k not in _SIM_FIELDS}}
+        return {"rule": RULE_NAME_SIM, **d}
 
     @classmethod
     def from_json(cls, d: dict) -> "DecisionRule":
-        if d.get("rule", RULE_NAME) != RULE_NAME:
-            raise ValueError(f"unknown decision rule {d.get('rule')!r}; this code applies {RULE_NAME!r}")
+        name = d.get("rule", RULE_NAME)
+        if name not in (RULE_NAME, RULE_NAME_SIM):
+            raise ValueError(f"unknown decision rule {name!r}; this code applies {RULE_NAME!r} or {RULE_NAME_SIM!r}")
         known = set(cls.__dataclass_fields__)
         unknown = set(d) - known - {"rule", "chosen_on", "selection"}
         if unknown:
             raise ValueError(f"decision rule: unknown field(s) {sorted(unknown)}")
+        has_sim = d.get("sim_threshold") is not None or d.get("sim_window") is not None
+        if has_sim != (name == RULE_NAME_SIM):
+            raise ValueError(f"decision rule {name!r}: sim_threshold / sim_window "
+                             f"{'missing' if not has_sim else 'not allowed'}")
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
@@ -113,6 +204,42 @@ class DecisionRule:
 
     def fingerprint(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
+
+
+def neighbour_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the up to ``window`` values on each side of each position (itself excluded); a
+    position without neighbours gets its own value (so it is never below its neighbours)."""
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    i = np.arange(n)
+    lo, hi = np.maximum(0, i - window), np.minimum(n, i + window + 1)
+    cnt = (hi - lo - 1).astype(np.float64)
+    tot = c[hi] - c[lo] - x
+    return np.where(cnt > 0, tot / np.maximum(cnt, 1.0), x)
+
+
+def artifact_version(weights_version: str, rule: DecisionRule) -> str:
+    """The classifier version: its adapter weights and its decision rule, hashed."""
+    digest = hashlib.sha256((weights_version + "|" + rule.fingerprint()).encode()).hexdigest()[:12]
+    return f"{ARTIFACT_FORMAT_V2}-{digest}"
+
+
+def version_of_config(config: dict) -> str:
+    """An artifact config's version, derived from its content (v2) and checked against the stored
+    ``version`` field, so a hand edit of the rule can never keep an old version. v1 artifacts (no
+    ``weights_version``) keep their stored version: it hashes their weights and their rule is the
+    plain threshold."""
+    if "weights_version" not in config:
+        return str(config["version"])
+    derived = artifact_version(str(config["weights_version"]), DecisionRule.from_config(config))
+    stored = config.get("version")
+    if stored is not None and stored != derived:
+        raise ValueError(
+            f"artifact config: stored version {stored!r} does not match its weights and decision rule "
+            f"({derived!r}); rewrite it with tune_decoding --write (the version is derived, not typed in)"
+        )
+    return derived
 
 
 def as_rule(rule_or_threshold: "DecisionRule | float") -> DecisionRule:

@@ -5,6 +5,10 @@ cut into batches, padded only to the longest pair of each batch, run under ``tor
 and scattered back into input order. LoRA is merged into the base weights at load time, so a batch
 costs exactly one plain MiniLM forward. CUDA (bf16 autocast) when available, else CPU float32: the
 same code path.
+
+When the artifact's decision rule uses similarity dips (:mod:`.decoding`, step 4), the base MiniLM
+sentence encoder is loaded beside the classifier (:mod:`.similarity`) and :meth:`pair_cosine` gives
+the cosine sequence the rule needs; :meth:`predict_boundaries` applies both.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from qumem_pipeline.runtime.batching import length_buckets, pad_batch
 from qumem_pipeline.episodes.continuity.base import base_model_dir, base_weights_sha256, load_tokenizer
-from qumem_pipeline.episodes.continuity.decoding import DecisionRule
+from qumem_pipeline.episodes.continuity.decoding import DecisionRule, version_of_config
+from qumem_pipeline.episodes.continuity.similarity import pair_cosine
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
 
 DEFAULT_ARTIFACT_DIR = Path(__file__).resolve().parents[2] / "artifacts" / "continuity"
@@ -72,11 +77,17 @@ class ContinuityClassifier:
         self.max_len = int(net.cfg.max_len)
         self.use_bf16 = device.type == "cuda"
         self.pad_to_multiple = 8 if device.type == "cuda" else 1
+        self._encoder = None  # the base sentence encoder, loaded when the rule needs it
+        if rule.needs_similarity:
+            self.sentence_encoder()
 
     # ------------------------------------------------------------------------------------
     @classmethod
     def load(cls, artifact_dir: str | os.PathLike | None = None,
-             device: str | torch.device | None = None, verify_base: bool = True) -> "ContinuityClassifier":
+             device: str | torch.device | None = None, verify_base: bool = True,
+             verify_version: bool = True) -> "ContinuityClassifier":
+        """``verify_version=False``: accept a stored version that no longer matches the config's rule
+        (only for the tool that rewrites it, :mod:`.tune_decoding`); the version is then the derived one."""
         from safetensors.torch import load_file
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -100,7 +111,8 @@ class ContinuityClassifier:
         net.eval()
         dev = resolve_device(device)
         net.to(dev)
-        return cls(net, load_tokenizer(), config, dev, config["version"], DecisionRule.from_config(config))
+        version = version_of_config(config if verify_version else {k: v for k, v in config.items() if k != "version"})
+        return cls(net, load_tokenizer(), config, dev, version, DecisionRule.from_config(config))
 
     # ------------------------------------------------------------------------------------
     def prepare(self, pairs: Sequence[tuple[str, str]], batch_size: int):
@@ -131,10 +143,27 @@ class ContinuityClassifier:
                 progress(done, n)
         return out
 
+    def sentence_encoder(self):
+        """The base all-MiniLM-L6-v2 sentence encoder (the index stage's), on this classifier's device."""
+        if self._encoder is None:
+            from qumem_pipeline.index.embeddings import Embedder
+
+            self._encoder = Embedder.load(device=self.device, path=base_model_dir())
+        return self._encoder
+
+    def pair_cosine(self, pairs: Sequence[tuple[str, str]], batch_size: int = 32) -> np.ndarray:
+        """Cosine of the base MiniLM embeddings per (previous, next) pair, float32, input order.
+
+        ``batch_size`` 32, not the index stage's 128: chat turns vary in length and a batch pads to
+        its longest (``bench/episodes_similarity.py`` measures what the cosine adds to the stage)."""
+        enc = self.sentence_encoder()
+        return pair_cosine(pairs, lambda texts: enc.encode(texts, batch_size=batch_size))
+
     def predict_boundaries(self, pairs: Sequence[tuple[str, str]], batch_size: int = 64) -> np.ndarray:
         """1 where a new event starts, for ``pairs`` = the consecutive pairs of ONE history (the
         decision rule may look at neighbouring gaps)."""
-        return self.rule.boundaries(self.predict_same_proba(pairs, batch_size))
+        p = self.predict_same_proba(pairs, batch_size)
+        return self.rule.boundaries(p, self.pair_cosine(pairs) if self.rule.needs_similarity else None)
 
     @torch.inference_mode()
     def raw_forward(self, batches) -> None:

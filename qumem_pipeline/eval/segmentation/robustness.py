@@ -6,24 +6,28 @@ Why: a classifier tuned on TIAGE can look good there and fail on other dialogue 
 This runs every system on both sets with nothing chosen on the evaluated sets:
 
 - ``classifier`` (one row per ``--artifact``; default the committed one): the artifact's own
-  dev-chosen decision rule;
+  decision rule, exactly as the episodes stage applies it (with the similarity dips, when the
+  artifact has them, from the classifier's own base-MiniLM cosines: ``clf.pair_cosine``);
+- ``classifier/no_sim_dip``: the same rule without its similarity dips (the reference: the
+  classifier's decision alone), only for artifacts whose rule has them;
 - ``minilm_adjacent_sim``: the plain baseline — cosine of the base all-MiniLM-L6-v2 embeddings of
-  adjacent utterances, boundary when below a threshold chosen on TIAGE dev (lowest Pk);
+  adjacent utterances (the index stage's encoder, as the rule uses), boundary when below a
+  threshold chosen on TIAGE dev (lowest Pk);
 - ``texttiling_minilm``, ``fixed_window_4``, ``all_continue``, ``random_0.2`` as in
   ``qumem eval segmentation``.
 
 Sets: ``tiage_test`` and ``ood_eval`` (:mod:`.ood`, built from LoCoMo at run time, seeded);
 ``--calib`` adds ``ood_calib``, the half of the LoCoMo sessions that decision parameters may be
-chosen on (so it is not a clean report). ``--sim-dip`` adds, per classifier, the candidate decision
-:class:`SimDipRule` (classifier + MiniLM cosine dips), its parameters chosen on TIAGE dev and OOD
-calib only. Last line with ``--json``: one JSON object.
+chosen on (so it is not a clean report). ``--sim-dip`` re-runs, per classifier, the choice of the
+similarity dips (:func:`~qumem_pipeline.episodes.continuity.tune_decoding.choose_sim_dip`, TIAGE dev
++ OOD calib) on the rule without them, adds it as ``LABEL+sim_dip(rechosen)`` and says whether it
+equals the shipped rule. Last line with ``--json``: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 import math
 import sys
 import time
@@ -95,59 +99,19 @@ def baseline_hyps(dialogues: list[Dialogue], sims: list[np.ndarray], sim_thresho
     }
 
 
+def classifier_signals(clf, dialogues: list[Dialogue], batch_size: int = 64, with_cosine: bool = True):
+    """(P(same), cosine or None) per dialogue, as the episodes stage computes them."""
+    pairs = adjacent_pairs(dialogues)
+    p = per_dialogue(clf.predict_same_proba(pairs, batch_size=batch_size), dialogues)
+    c = per_dialogue(clf.pair_cosine(pairs), dialogues) if with_cosine else [None] * len(dialogues)
+    return p, c
+
+
 def classifier_hyps(clf, dialogues: list[Dialogue], batch_size: int = 64) -> list[list[int]]:
-    p = clf.predict_same_proba(adjacent_pairs(dialogues), batch_size=batch_size)
+    """The shipped rule's boundaries (with its similarity dips when it has them)."""
     rule = rule_of(clf)
-    return [[int(x) for x in rule.boundaries(q)] for q in per_dialogue(p, dialogues)]
-
-
-@dataclass(frozen=True)
-class SimDipRule:
-    """A candidate decision that adds the MiniLM similarity signal to a classifier (evaluation only).
-
-    Boundary when the classifier's own rule says so, OR when the adjacent cosine is below
-    ``sim_threshold``, is a strict local minimum of the dialogue's cosine sequence (with
-    ``local_min``) and the classifier is not confident of continuity (P(same) < ``p_gate``).
-    Why this shape: on the OOD set the classifier gives P(same) ~0.8 at joins while the base
-    embeddings' cosine separates them well; TIAGE's short turns have low cosine everywhere, so an
-    ungated cosine rule costs TIAGE — the gate and the dip keep the cosine to the clear cases.
-    """
-
-    sim_threshold: float
-    p_gate: float
-    local_min: bool
-
-    def boundaries(self, base: np.ndarray, p_same: np.ndarray, cos: np.ndarray) -> np.ndarray:
-        c = np.asarray(cos, dtype=np.float64)
-        dip = (c < self.sim_threshold) & (np.asarray(p_same) < self.p_gate)
-        if self.local_min and len(c):
-            left = np.concatenate([[np.inf], c[:-1]])
-            right = np.concatenate([c[1:], [np.inf]])
-            dip &= (c < left) & (c < right)
-        return (np.asarray(base).astype(bool) | dip).astype(np.int8)
-
-
-SIM_DIP_GRID = [SimDipRule(t, g, lm) for t in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
-                for g in (0.6, 0.7, 0.8, 0.9, 0.95, 1.01) for lm in (False, True)]
-
-
-def choose_sim_dip(rule, dev: tuple, calib: tuple) -> tuple[SimDipRule, dict]:
-    """The grid rule with the lowest OOD-calib Pk among those whose TIAGE dev Pk is no worse than
-    the classifier's own rule there (ties: lower dev Pk). ``dev`` / ``calib``: (P(same) per
-    dialogue, cosine per dialogue, reference gap strings)."""
-    from qumem_pipeline.episodes.continuity.tune_decoding import PkScorer
-
-    def pk(r, data):
-        probs, sims, refs = data
-        return PkScorer(refs)([r.boundaries(rule.boundaries(p), p, c) for p, c in zip(probs, sims)])
-
-    dev_base = PkScorer(dev[2])([rule.boundaries(p) for p in dev[0]])
-    scored = [(pk(r, calib), pk(r, dev), r) for r in SIM_DIP_GRID]
-    ok = [x for x in scored if x[1] <= dev_base + 1e-12]
-    cal, dv, best = min(ok, key=lambda x: (round(x[0], 6), round(x[1], 6)))
-    return best, {"chosen_on": "TIAGE dev (constraint: Pk <= the classifier rule's) + OOD calib (lowest Pk)",
-                  "dev_pk": round(dv, 4), "dev_pk_classifier_rule": round(dev_base, 4), "calib_pk": round(cal, 4),
-                  "sim_threshold": best.sim_threshold, "p_gate": best.p_gate, "local_min": best.local_min}
+    p, c = classifier_signals(clf, dialogues, batch_size, rule.needs_similarity)
+    return [[int(x) for x in rule.boundaries(q, s)] for q, s in zip(p, c)]
 
 
 def load_sets(with_calib: bool = False, seed: int = ood.DEFAULT_SEED) -> dict[str, list[Dialogue]]:
@@ -176,44 +140,49 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
         classifiers: dict | None = None, embedder=None, sim_dip: bool = False,
         calib: list[Dialogue] | None = None) -> dict:
     """``sets`` / ``dev`` / ``calib`` / ``classifiers`` (label -> loaded classifier) replace the
-    defaults (tests). ``sim_dip``: also a ``LABEL+sim_dip`` row per classifier (:class:`SimDipRule`,
-    chosen on TIAGE dev + OOD calib)."""
+    defaults (tests). ``sim_dip``: also a ``LABEL+sim_dip(rechosen)`` row per classifier."""
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
     from qumem_pipeline.episodes.continuity.data import load_tiage
+    from qumem_pipeline.episodes.continuity.tune_decoding import choose_sim_dip
+    from qumem_pipeline.index.embeddings import Embedder
 
     t0 = time.time()
     sets = sets if sets is not None else load_sets(with_calib, seed)
-    embedder = embedder or bl.SentenceEmbedder(device=device)
+    embedder = embedder or Embedder.load(device=device)
     dev = dev if dev is not None else load_tiage("dev")
     dev_cos = adjacent_similarity(dev, embedder)
     sim_thr = choose_sim_threshold(dev_cos, dev)
     cos = {n: adjacent_similarity(ds, embedder) for n, ds in sets.items()}
     if sim_dip:
         calib = calib if calib is not None else (sets.get("ood_calib") or ood.ood_dialogues("calib", seed=seed))
-        calib_cos = adjacent_similarity(calib, embedder)
 
     table: dict[str, dict[str, dict]] = {}
     versions = {}
     loaders = ({label: (lambda c=c: c) for label, c in classifiers.items()} if classifiers else
                {label: (lambda a=adir: ContinuityClassifier.load(a, device=device))
                 for adir, label in artifacts or [(None, "classifier")]})
+
+    def scored(rule, signals: dict) -> dict:
+        return {n: scores_dict(evaluate([d.boundaries for d in sets[n]],
+                                        [rule.boundaries(p, c) for p, c in zip(*signals[n])]))
+                for n in sets}
+
     for label, load in loaders.items():
         clf = load()
         rule = rule_of(clf)
-        versions[label] = {"version": clf.version, "rule": rule.to_json()}
-        probs = {n: per_dialogue(clf.predict_same_proba(adjacent_pairs(ds), batch_size=batch_size), ds)
-                 for n, ds in sets.items()}
-        table[label] = {n: scores_dict(evaluate([d.boundaries for d in ds], [rule.boundaries(p) for p in probs[n]]))
-                        for n, ds in sets.items()}
+        versions[label] = {"version": clf.version, "rule": rule.to_json(), "describe": rule.describe()}
+        signals = {n: classifier_signals(clf, ds, batch_size) for n, ds in sets.items()}
+        table[label] = scored(rule, signals)
+        if rule.needs_similarity:
+            table[f"{label}/no_sim_dip"] = scored(rule.without_similarity(), signals)
         if sim_dip:
-            prob = lambda ds: per_dialogue(clf.predict_same_proba(adjacent_pairs(ds), batch_size=batch_size), ds)  # noqa: E731
-            dip, sel = choose_sim_dip(rule, (prob(dev), dev_cos, [d.boundaries for d in dev]),
-                                      (prob(calib), calib_cos, [d.boundaries for d in calib]))
-            versions[label]["sim_dip"] = sel
-            table[f"{label}+sim_dip"] = {
-                n: scores_dict(evaluate([d.boundaries for d in ds],
-                                        [dip.boundaries(rule.boundaries(p), p, c) for p, c in zip(probs[n], cos[n])]))
-                for n, ds in sets.items()}
+            dev_p, dev_c = classifier_signals(clf, dev, batch_size)
+            cal_p, cal_c = classifier_signals(clf, calib, batch_size)
+            rechosen, sel = choose_sim_dip(rule, (dev_p, dev_c, [d.boundaries for d in dev]),
+                                           (cal_p, cal_c, [d.boundaries for d in calib]))
+            versions[label]["sim_dip_rechosen"] = {**sel, "rule": rechosen.to_json(),
+                                                   "equals_shipped_rule": rechosen == rule}
+            table[f"{label}+sim_dip(rechosen)"] = scored(rechosen, signals)
         del clf
     for name, ds in sets.items():
         refs = [d.boundaries for d in ds]
@@ -228,9 +197,9 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
     for n, s in stats.items():
         print(f"{n}: {s['n_dialogues']} dialogues, {s['n_utterances']} utterances, {s['n_boundaries']} boundaries")
     for label, v in versions.items():
-        print(f"{label}: {v['version']} (threshold {v['rule']['threshold']})")
-        if "sim_dip" in v:
-            print(f"{label}+sim_dip: {v['sim_dip']}")
+        print(f"{label}: {v['version']} ({v['describe']})")
+        if "sim_dip_rechosen" in v:
+            print(f"{label}+sim_dip(rechosen): {v['sim_dip_rechosen']}")
     print(f"minilm_adjacent_sim: boundary when cosine < {sim_thr} (chosen on TIAGE dev)")
     print(format_side_by_side(table, list(sets)))
     sys.stdout.flush()
@@ -251,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="continuity artifact dir, optionally DIR=LABEL; repeat to compare (default: committed)")
     ap.add_argument("--calib", action="store_true", help="also report the OOD calibration half")
     ap.add_argument("--sim-dip", action="store_true",
-                    help="also a CLASSIFIER+sim_dip row: the MiniLM cosine added to the decision (chosen on dev + calib)")
+                    help="also a CLASSIFIER+sim_dip(rechosen) row: the similarity dips chosen again on dev + calib")
     ap.add_argument("--seed", type=int, default=ood.DEFAULT_SEED, help="OOD set seed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--batch-size", type=int, default=64)

@@ -1,0 +1,29 @@
+"""Adjacent-utterance cosine of the base all-MiniLM-L6-v2 embeddings: the decision rule's second signal.
+
+Why a separate encoder and not the classifier's own pass: the classifier is a cross-encoder over
+the *pair* with its LoRA merged into the weights and a trained token-type table, so neither its
+forward nor peft's ``disable_adapter()`` yields the base model's single-sentence embedding. The index
+stage's :class:`~qumem_pipeline.index.embeddings.Embedder` is exactly that model (the same weights
+file the classifier verifies at load, mean pooling + L2 norm), so it is reused, and every distinct
+text is encoded once: the N-1 pairs of a history cost N single-sentence forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def pair_cosine(pairs: Sequence[tuple[str, str]], encode: Callable[[list[str]], np.ndarray]) -> np.ndarray:
+    """Cosine per (previous, next) pair, float32, input order; ``encode`` returns unit-norm rows."""
+    if not pairs:
+        return np.zeros(0, dtype=np.float32)
+    index: dict[str, int] = {}
+    for a, b in pairs:
+        for t in (a or "", b or ""):
+            index.setdefault(t, len(index))
+    emb = np.asarray(encode(list(index)), dtype=np.float32)
+    ia = np.fromiter((index[a or ""] for a, _ in pairs), dtype=np.int64, count=len(pairs))
+    ib = np.fromiter((index[b or ""] for _, b in pairs), dtype=np.int64, count=len(pairs))
+    return np.einsum("ij,ij->i", emb[ia], emb[ib]).astype(np.float32)
