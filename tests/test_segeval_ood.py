@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qumem_pipeline.episodes.dialogues import parse_segments
-from qumem_pipeline.eval.segmentation import ood
+from qumem_pipeline.episodes.continuity import ood_data as ood
 from qumem_pipeline.runtime.datasets import missing_reason, tiage_dir
 
 

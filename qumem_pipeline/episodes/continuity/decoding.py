@@ -26,8 +26,8 @@ P(same) < threshold".
    ``sim_local_min``, ``c[i]`` is a strict local minimum of the history's cosine sequence. These are
    added after step 3 (an OR with the classifier's own decision). The relative form adapts to how
    similar a domain's adjacent turns are at all (TIAGE's short turns: low everywhere; LoCoMo's: high).
-   Why: out of domain (LoCoMo excerpts joined at known boundaries, :mod:`qumem_pipeline.eval.
-   segmentation.ood`) the classifier gives P(same) ~0.78 at joins, against ~0.87 inside excerpts,
+   Why: out of domain (LoCoMo excerpts joined at known boundaries, :mod:`qumem_pipeline.episodes.
+   continuity.ood_data`) the classifier gives P(same) ~0.78 at joins, against ~0.87 inside excerpts,
    while the base cosine separates them (~0.20 against ~0.44); TIAGE's short turns have low cosine
    everywhere, so an ungated cosine rule costs TIAGE — the gate and the dip keep the cosine to the
    clear cases. Its parameters are chosen on TIAGE dev (no worse than the rule without it) and the

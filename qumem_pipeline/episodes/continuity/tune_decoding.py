@@ -11,7 +11,7 @@ Test is never looked at for any choice; it is only reported.
 
 ``--sim-dip`` then adds the similarity dips (decision step 4) to the artifact's rule:
 :func:`choose_sim_dip` takes, from :data:`SIM_DIP_GRID`, the parameters with the lowest Pk on the OOD
-calib half (:mod:`qumem_pipeline.eval.segmentation.ood`, LoCoMo sessions never in OOD eval) among
+calib half (:mod:`qumem_pipeline.episodes.continuity.ood_data`, LoCoMo sessions never in OOD eval) among
 those no worse than the rule without them on TIAGE dev and on each of its 5 folds. TIAGE test and OOD
 eval are only reported (``metrics`` in the artifact).
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     rule, selection = tune(dev[0], dev[2])
     evaluated = {"dev": dev}
     if args.sim_dip:
-        from qumem_pipeline.eval.segmentation import ood
+        from qumem_pipeline.episodes.continuity import ood_data as ood
 
         seed = ood.DEFAULT_SEED if args.ood_seed is None else args.ood_seed
         calib = split_signals(clf, ood.ood_dialogues("calib", seed=seed))

@@ -38,7 +38,7 @@ from qumem_pipeline.episodes.continuity.decoding import rule_of
 from qumem_pipeline.episodes.dialogues import Dialogue
 from qumem_pipeline.episodes.metrics import Scores, evaluate
 from qumem_pipeline.eval.segmentation import baselines as bl
-from qumem_pipeline.eval.segmentation import ood
+from qumem_pipeline.episodes.continuity import ood_data as ood
 
 SIM_THRESHOLDS = tuple(round(float(t), 2) for t in np.arange(0.0, 0.91, 0.01))
 

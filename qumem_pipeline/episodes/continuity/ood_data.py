@@ -19,7 +19,7 @@ Construction (deterministic for a seed):
    boundaries — as in sets built by joining whole dialogues (DialSeg711 and the like).
 
 Output: the common "segments" format (``{"dial_id", "utterances", "segments"}``) that
-``qumem eval segmentation`` reads, so ``python -m qumem_pipeline.eval.segmentation.ood --out F``
+``qumem eval segmentation`` reads, so ``python -m qumem_pipeline.episodes.continuity.ood_data --out F``
 followed by ``qumem eval segmentation F`` works too.
 """
 
@@ -145,7 +145,7 @@ def describe(records: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qumem_pipeline.eval.segmentation.ood", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m qumem_pipeline.episodes.continuity.ood_data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--locomo", default=None, help="LoCoMo JSON (default: ../shared/datasets/locomo/locomo_dev5.json)")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
