@@ -242,7 +242,8 @@ class OpenAIBackend(BackendBase):
         timeout = httpx.Timeout(connect=self.connect_timeout_s, read=overall, write=stall, pool=None)
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(loop.time() + stall) as bound:
+            # until the headers: connecting (its own bound) and then `stall`
+            async with asyncio.timeout_at(loop.time() + self.connect_timeout_s + stall) as bound:
                 return await self._exchange_within(client, req, body, attempt, timeout,
                                                    lambda when: bound.reschedule(None if when is None else loop.time() + when),
                                                    stall)
