@@ -188,9 +188,8 @@ def run_stage(eps, warm, args, model_dir, engine_args_cli, env):
 
 
 def run_engine(eps, warm, args, model_dir, engine_args, env):
-    # exactly what the stage sends first (its backend's model name is the served name)
-    reqs = decompose_requests(eps, max_tokens=args.max_tokens, model=args.served_model_name)
-    (wreq,) = decompose_requests([warm], max_tokens=args.max_tokens, types=("fact",), model=args.served_model_name)
+    reqs = decompose_requests(eps, max_tokens=args.max_tokens)  # exactly what the stage sends first
+    (wreq,) = decompose_requests([warm], max_tokens=args.max_tokens, types=("fact",))
     spec = {
         "model": str(model_dir), "seed": 0, "engine_args": engine_args,
         "warmup": {"messages": wreq.messages, "json_schema": wreq.decoding_schema, "max_tokens": wreq.max_tokens},

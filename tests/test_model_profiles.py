@@ -21,23 +21,6 @@ def test_profile_by_name(model, family, compact):
     assert (prof.family, prof.compact_json) == (family, compact)
 
 
-def test_memory_length_cap_follows_the_model():
-    from qumem_pipeline.memories.decompose import MAX_CONTENT_CHARS, call_budget, decompose_requests
-
-    ep = {"user_id": "u", "episode_id": "e", "turns": [{"turn_index": 3, "role": "user", "text": "I ski."}]}
-
-    def content_schemas(model):
-        reqs = decompose_requests([ep], max_tokens=100, model=model)
-        assert [r.max_tokens for r in reqs] == [call_budget(100)] * 3 == [200] * 3
-        item = lambda s: s["properties"]["memories"]["items"]["properties"]["content"]  # noqa: E731
-        return {json.dumps(item(s), sort_keys=True) for r in reqs for s in (r.json_schema, r.constraint_schema)}
-
-    capped = {json.dumps({"type": "string", "minLength": 1, "maxLength": MAX_CONTENT_CHARS}, sort_keys=True)}
-    assert content_schemas("SmolLM2-135M-Instruct-Q4_1") == content_schemas("") == capped
-    # Qwen2.5: no cap to validate or decode against (cut sentences; 4.5 s of grammar compile per episode)
-    assert content_schemas("Qwen2.5-Coder-1.5B-Instruct") == {json.dumps({"type": "string", "minLength": 1}, sort_keys=True)}
-
-
 def test_profile_from_config_json_of_a_renamed_dir(tmp_path):
     d = tmp_path / "eval-model"
     d.mkdir()

@@ -17,11 +17,6 @@ from pathlib import Path
 class ModelProfile:
     family: str
     compact_json: bool  # server's structured-outputs disable_any_whitespace
-    # The decoding grammar caps a memory's text (memories.prompts.MAX_CONTENT_CHARS). Kept for small
-    # models, which fill free strings until max_tokens. Off for Qwen2.5: with it, 8 of its 121 memories
-    # in the throughput bench were cut mid-word at the cap, and xgrammar compiles the bounded string
-    # in 4.5 s per episode schema (0.01 s without), a full core taken from a 2-core engine (issue 18).
-    bound_memory_length: bool = True
 
 
 DEFAULT_PROFILE = ModelProfile(family="default", compact_json=True)
@@ -29,8 +24,8 @@ DEFAULT_PROFILE = ModelProfile(family="default", compact_json=True)
 # (substring of the lower-cased model name, profile); first match wins, so specific before general.
 PROFILES: tuple[tuple[str, ModelProfile], ...] = (
     ("smollm2", ModelProfile(family="smollm2", compact_json=True)),
-    ("qwen2.5-coder", ModelProfile(family="qwen2.5-coder", compact_json=False, bound_memory_length=False)),
-    ("qwen2.5", ModelProfile(family="qwen2.5", compact_json=False, bound_memory_length=False)),
+    ("qwen2.5-coder", ModelProfile(family="qwen2.5-coder", compact_json=False)),
+    ("qwen2.5", ModelProfile(family="qwen2.5", compact_json=False)),
 )
 
 _TRUE = {"1", "true", "yes", "on"}

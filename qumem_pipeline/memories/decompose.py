@@ -24,7 +24,6 @@ import polars as pl
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError, generate_each
 from qumem_pipeline.contracts.stage_versions import stage_version
-from qumem_pipeline.llm.model_profiles import profile_for
 # Re-exported: callers (assets, query strategies, tests, benches) import these from here.
 from qumem_pipeline.memories.parsing import (  # noqa: F401
     DECOMPOSE_QUARANTINE_SCHEMA,
@@ -72,13 +71,10 @@ def call_budget(max_tokens: int) -> int:
     return int(max_tokens) * LENGTH_BUDGET_FACTOR
 
 
-def decompose_requests(episodes: Iterable[Any], max_tokens: int = 512, types: Sequence[str] = MEMORY_TYPES,
-                       model: str = "") -> list[ChatRequest]:
-    """The first-attempt requests `decompose_episodes` sends to `model` for `max_tokens`, exactly
-    (benches use them): the budget grown once, the memory-length cap as the model's profile says."""
-    capped = profile_for(model).bound_memory_length if model else True
-    reqs = build_requests(episodes, max_tokens=call_budget(max_tokens), types=types,
-                          max_content_chars=MAX_CONTENT_CHARS if capped else None)
+def decompose_requests(episodes: Iterable[Any], max_tokens: int = 512,
+                       types: Sequence[str] = MEMORY_TYPES) -> list[ChatRequest]:
+    """The first-attempt requests `decompose_episodes` sends for `max_tokens`, exactly (benches use them)."""
+    reqs = build_requests(episodes, max_tokens=call_budget(max_tokens), types=types)
     for r in reqs:
         r.metadata["budget"] = int(max_tokens)  # the configured budget: what the checkpoint key names
     return reqs
@@ -165,7 +161,7 @@ def decompose_episodes(
     restored = checkpoint.load(sorted({e.user_id for e in eps})) if checkpoint is not None else {}
     outcomes: dict[str, CallOutcome] = {}
     todo: list[ChatRequest] = []
-    requests = decompose_requests(eps, max_tokens=max_tokens, types=types, model=run.model)
+    requests = decompose_requests(eps, max_tokens=max_tokens, types=types)
     keys = [run.key_of(r) for r in requests]
     for req, k in zip(requests, keys):
         if k in restored:

@@ -48,8 +48,7 @@ MAX_EVIDENCE_IDS = 8
 MAX_TURN_ID = 2**31 - 1
 
 
-def memory_schema(turn_ids: Sequence[int] | None = None,
-                  max_content_chars: int | None = MAX_CONTENT_CHARS) -> dict[str, Any]:
+def memory_schema(turn_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """The JSON schema of every decomposer call's output (identical for the three types).
 
     Without arguments: the schema output is validated against. With the episode's `turn_ids`: the
@@ -58,7 +57,6 @@ def memory_schema(turn_ids: Sequence[int] | None = None,
     turns (unbounded, SmolLM2 through vLLM cites turn 1 of a [4..6] episode and every memory is
     dropped). Validation stays unbounded: from a server that ignores the constraint, ids outside
     the episode (or in gaps of a non-contiguous one) are dropped and counted, not quarantined.
-    `max_content_chars=None`: a memory's text is not capped (per model: `llm.model_profiles`).
     """
     lo, hi = (min(turn_ids), max(turn_ids)) if turn_ids else (0, MAX_TURN_ID)
     # bounded: at most one memory per turn and every turn cited once (no runaway repeated items)
@@ -73,8 +71,7 @@ def memory_schema(turn_ids: Sequence[int] | None = None,
                 "items": {
                     "type": "object",
                     "properties": {
-                        "content": {"type": "string", "minLength": 1,
-                                    **({"maxLength": max_content_chars} if max_content_chars else {})},
+                        "content": {"type": "string", "minLength": 1, "maxLength": MAX_CONTENT_CHARS},
                         "evidence_turn_ids": {
                             "type": "array",
                             "minItems": 1,
@@ -178,16 +175,14 @@ def _request_id(ep: Episode, mem_type: str, attempt: int) -> str:
 
 
 def build_requests(
-    episodes: Iterable[Any], max_tokens: int = 512, types: Sequence[str] = MEMORY_TYPES,
-    max_content_chars: int | None = MAX_CONTENT_CHARS,
+    episodes: Iterable[Any], max_tokens: int = 512, types: Sequence[str] = MEMORY_TYPES
 ) -> list[ChatRequest]:
     """One request per (episode, type); an episode's three requests are adjacent."""
-    # what output is validated against; ids outside the episode are dropped later
-    schema = memory_schema(max_content_chars=max_content_chars)
+    schema = memory_schema()  # what output is validated against; ids outside the episode are dropped later
     reqs = []
     for raw in episodes:
         ep = coerce_episode(raw)
-        bounded = memory_schema([t.turn_index for t in ep.turns], max_content_chars=max_content_chars)
+        bounded = memory_schema([t.turn_index for t in ep.turns])
         for t in types:
             reqs.append(
                 ChatRequest(
