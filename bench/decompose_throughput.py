@@ -8,7 +8,7 @@
 Stage: `decompose_episodes` exactly as the memories asset runs it (prompts, calls submitted
 continuously with at most `--concurrency` in flight through the `openai` backend, streamed, each
 finished call checkpointed as it finishes into a real CheckpointStore, JSON parsing and validation,
-one retry of bad output, memory/ledger tables) against a vLLM OpenAI-compatible server started by
+one retry of bad output other than a length cut, memory/ledger tables) against a vLLM OpenAI-compatible server started by
 the `vllm-managed` backend. Output tokens/s = completion tokens in the ledger / wall time of
 `decompose_episodes`.
 
@@ -30,6 +30,9 @@ Episodes (default `--source locomo`): LoCoMo conversations (`../shared/datasets/
 imported, validated and segmented exactly as the pipeline does (the LoCoMo importer, the continuity
 classifier, session breaks, the token budget), every speaker's episodes in (user, episode) order;
 `--segment session` takes whole sessions instead; `--source archive` the example archive's sessions.
+
+`--dump-calls PATH`: every stage ledger row, quarantine row and engine row (with its text) as JSON
+lines, to see which calls differ or straggle.
 
 Also (`--local-episodes`, 0 to skip): the embedded `local` backend's output tokens/s batched vs one
 request at a time on the first episodes' calls, in the same run.

@@ -61,7 +61,7 @@ from qumem_pipeline.memories.prompts import (  # noqa: F401
 # (temperature 0), so the old "cut at max_tokens -> retry at twice the tokens" rewrote the same first
 # max_tokens tokens before going on: the same output as one request at twice the budget, paid
 # max_tokens tokens more, and sent late, a straggler running alone at single-sequence speed after
-# every other call had finished (issue 18: 721 tokens alone for 2 of the bench's 9 minutes). A call
+# every other call had finished (issue 18: a 721-token retry, 125 s of the bench's 536 s stage). A call
 # cut at the full budget is not retried: greedy decoding would repeat the cut.
 LENGTH_BUDGET_FACTOR = 2
 
