@@ -13,9 +13,10 @@ that keeps progressing is never cut; a request is cut only after `stall` seconds
 (before the response headers, or between events once its first event came: a request the server
 accepted may wait in the engine's queue for its first token), or past its overall bound
 (`RequestTimeouts`: derived from max_tokens and a tokens/s floor unless fixed). Cutting a request
-closes its connection, and vLLM aborts a request whose client disconnected, so a retry never runs next to the generation it replaces. Usage comes from the
-final chunk (`stream_options.include_usage`). A server that ignores `stream` and answers with a
-plain completion is read as one.
+closes its connection, and vLLM aborts a request whose client disconnected, so a retry never
+runs next to the generation it replaces. Usage comes from the final chunk
+(`stream_options.include_usage`). A server that ignores `stream` and answers with a plain
+completion is read as one.
 
 Faults, per request: 429 (Retry-After honoured, capped at `max_retry_after_s`), 5xx, timeouts
 (stall / overall; a hung server is a stall), dropped or cut connections (a stream that ends before
