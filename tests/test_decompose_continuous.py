@@ -169,7 +169,7 @@ def test_each_call_gets_twice_the_budget_once_and_a_cut_is_final(tmp_path, basel
     ok = out.memories.filter(pl.col("episode_id") != "ana-e1")
     assert stable(ok).equals(stable(baseline.memories.filter(pl.col("episode_id") != "ana-e1")))
     req0 = next(r for r in sent if ep_text(0) in str(r["body"]["messages"]))
-    assert call_key("ana", "ana-e0", next(t for t in TYPE_INSTRUCTIONS if TYPE_INSTRUCTIONS[t] in
-                                          str(req0["body"]["messages"])),
-                    req0["body"]["messages"], out.ledger["prompt_version"][0], "fake-model", 48) \
+    msgs = req0["body"]["messages"]
+    mem_type = next(t for t, text in TYPE_INSTRUCTIONS.items() if text in msgs[-1]["content"])
+    assert call_key("ana", "ana-e0", mem_type, msgs, out.ledger["prompt_version"][0], "fake-model", 48) \
         in CheckpointStore(tmp_path / "ck").load(["ana"])
