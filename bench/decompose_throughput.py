@@ -8,13 +8,14 @@
 Stage: `decompose_episodes` exactly as the memories asset runs it (prompts, calls submitted
 continuously with at most `--concurrency` in flight through the `openai` backend, streamed, each
 finished call checkpointed as it finishes into a real CheckpointStore, JSON parsing and validation,
-one retry of bad output, memory/ledger tables) against a vLLM OpenAI-compatible server started by
+one retry of bad output other than a length cut, memory/ledger tables) against a vLLM OpenAI-compatible server started by
 the `vllm-managed` backend. Output tokens/s = completion tokens in the ledger / wall time of
 `decompose_episodes`.
 
 Engine: vLLM's offline `LLM.generate` in the vLLM virtualenv (a subprocess run with that python),
 on the identical prompts (the same chat template applied by vLLM's tokenizer; prompt token counts
-are checked against the server's), the same sampling (temperature 0, seed 0, the same max_tokens),
+are checked against the server's), the same sampling (temperature 0, seed 0, the max_tokens the
+stage's requests carry: `decompose_requests`, twice `--max-tokens`, see LENGTH_BUDGET_FACTOR),
 the same per-request JSON schema (`StructuredOutputsParams(json=schema)`) and the same engine
 settings (dtype, max_model_len, max_num_seqs, eager mode, prefix caching, structured-output
 config). Output tokens/s = generated tokens / wall time of `LLM.generate`: the engine kept full
@@ -29,6 +30,9 @@ Episodes (default `--source locomo`): LoCoMo conversations (`../shared/datasets/
 imported, validated and segmented exactly as the pipeline does (the LoCoMo importer, the continuity
 classifier, session breaks, the token budget), every speaker's episodes in (user, episode) order;
 `--segment session` takes whole sessions instead; `--source archive` the example archive's sessions.
+
+`--dump-calls PATH`: every stage ledger row, quarantine row and engine row (with its text) as JSON
+lines, to see which calls differ or straggle.
 
 Also (`--local-episodes`, 0 to skip): the embedded `local` backend's output tokens/s batched vs one
 request at a time on the first episodes' calls, in the same run.
@@ -48,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qumem_pipeline.memories.checkpoints import CheckpointStore  # noqa: E402
-from qumem_pipeline.memories.decompose import build_requests, decompose_episodes  # noqa: E402
+from qumem_pipeline.memories.decompose import build_requests, decompose_episodes, decompose_requests  # noqa: E402
 
 ARCHIVE = ROOT / "examples" / "archive"
 
@@ -188,8 +192,8 @@ def run_stage(eps, warm, args, model_dir, engine_args_cli, env):
 
 
 def run_engine(eps, warm, args, model_dir, engine_args, env):
-    reqs = build_requests(eps, max_tokens=args.max_tokens)
-    (wreq,) = build_requests([warm], max_tokens=args.max_tokens, types=("fact",))
+    reqs = decompose_requests(eps, max_tokens=args.max_tokens)  # exactly what the stage sends first
+    (wreq,) = decompose_requests([warm], max_tokens=args.max_tokens, types=("fact",))
     spec = {
         "model": str(model_dir), "seed": 0, "engine_args": engine_args,
         "warmup": {"messages": wreq.messages, "json_schema": wreq.decoding_schema, "max_tokens": wreq.max_tokens},
@@ -260,6 +264,7 @@ def main() -> int:
     ap.add_argument("--local-max-tokens", type=int, default=96)
     ap.add_argument("--local-batch-size", type=int, default=8)
     ap.add_argument("--local-threads", type=int, default=0, help="torch threads for the local backend (0: its default)")
+    ap.add_argument("--dump-calls", default="", help="write every stage ledger row and engine row as JSON lines here")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not args.vllm_python or not Path(args.vllm_python).exists():
@@ -304,6 +309,14 @@ def main() -> int:
     same_prompts = first["prompt_tokens"].to_list() == [r["prompt_tokens"] for r in eng_rows]
     same_counts = sum(a == b["completion_tokens"] for a, b in zip(first["completion_tokens"].to_list(), eng_rows))
 
+    if args.dump_calls:
+        with open(args.dump_calls, "w", encoding="utf-8") as fh:
+            for row in led.drop("created_at").iter_rows(named=True):
+                fh.write(json.dumps({"side": "stage", **row}, default=str) + "\n")
+            for row in out.quarantine.drop("created_at").iter_rows(named=True):
+                fh.write(json.dumps({"side": "quarantine", **row}, default=str) + "\n")
+            for req, row in zip(reqs, eng_rows):
+                fh.write(json.dumps({"side": "engine", "request_id": req.request_id, **row}) + "\n")
     stage_tps, engine_tps = stage_tok / stage_s, engine_tok / eng["wall_s"]
     result = {
         "source": args.source, "segment": args.segment if args.source == "locomo" else "session",

@@ -26,6 +26,8 @@ responses are served in order, one per request it matches (the last one repeats)
       "token_delay": s     seconds per token (a slow engine): streamed, one chunk every s seconds;
                            not streamed, the whole answer after tokens x s
       "stall_after": k, "stall": s   streamed: after k tokens, s seconds without a byte (a wedged engine)
+      "queue": s           streamed: the headers at once, then s seconds before the first event (as vLLM:
+                           a request waiting in a full engine's queue gets its first event with its first token)
 
 Streaming (`"stream": true` in the request, as vLLM): server-sent events in chunked transfer
 encoding, one `chat.completion.chunk` per token (a token = ~4 characters of the content), the
@@ -232,6 +234,8 @@ def make_handler(state: State):
             self.wfile.flush()
             model = body.get("model", state.model)
             base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+            if resp.get("queue") and self._wait_or_gone(float(resp["queue"])):
+                return "client_disconnected"
             self._event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                               "finish_reason": None}]})
             toks = _tokens(content)

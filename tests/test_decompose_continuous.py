@@ -147,3 +147,29 @@ def test_a_failed_write_keeps_the_calls_for_the_next_flush(tmp_path):
     assert store.pending == 1 and on_disk(tmp_path) == 0
     store.record(outcome(1))
     assert store.flush() == 2 and calls == [1, 2] and on_disk(tmp_path) == 2
+
+
+def test_each_call_gets_twice_the_budget_once_and_a_cut_is_final(tmp_path, baseline):
+    # Greedy decoding makes "cut at max_tokens, retry at twice" the same output as one request at
+    # twice the budget: each call goes out once with it; one cut even there is quarantined, not sent
+    # again (a retry would write the same tokens), and the checkpoint key stays the configured
+    # budget's, so checkpoints of the old cut-then-retry policy are still served.
+    cut = ep_text(1)
+    script = {"rules": [{"match": cut, "responses": [{"content": '{"memories": [{"content": "The user',
+                                                      "finish_reason": "length"}]}],
+              "default": [{"echo_memory": True}]}
+    with RunningFakeServer(script, tmp_path / "srv") as srv, backend(srv.base_url) as be:
+        store = CheckpointStore(tmp_path / "ck")
+        out = decompose_episodes(episodes(), be, created_at=T0, max_tokens=48, checkpoint=store)
+        sent = srv.requests()
+    assert len(sent) == CALLS and {r["body"]["max_tokens"] for r in sent} == {96}
+    assert out.stats.retries == 0 and out.quarantine.height == 3  # episode 1's three calls
+    assert set(out.quarantine["episode_id"]) == {"ana-e1"}
+    assert all(r.startswith("length: output cut at max_tokens=96") for r in out.quarantine["reason"])
+    ok = out.memories.filter(pl.col("episode_id") != "ana-e1")
+    assert stable(ok).equals(stable(baseline.memories.filter(pl.col("episode_id") != "ana-e1")))
+    req0 = next(r for r in sent if ep_text(0) in str(r["body"]["messages"]))
+    msgs = req0["body"]["messages"]
+    mem_type = next(t for t, text in TYPE_INSTRUCTIONS.items() if text in msgs[-1]["content"])
+    assert call_key("ana", "ana-e0", mem_type, msgs, out.ledger["prompt_version"][0], "fake-model", 48) \
+        in CheckpointStore(tmp_path / "ck").load(["ana"])

@@ -202,6 +202,25 @@ def test_stalled_stream_is_cut_and_retried_with_one_live_generation_at_a_time(tm
     assert all(g["live_before"] == 0 for g in gens if g["event"] == "start")
 
 
+def test_a_request_queued_in_the_engine_is_not_cut_by_the_stall_bound(tmp_path):
+    # headers at once, first event 1.5 s later (3x the 0.5 s stall bound), as vLLM does for a request
+    # waiting behind a full engine: it is waited for, not cut and re-queued; once its events flow,
+    # silence between them is a stall again, and no response headers within the bound is a hang.
+    script = {"rules": [{"match": "queued", "responses": [{"queue": 1.5, "json": {"answer": "ok"}}]},
+                        {"match": "wedged", "responses": [{"queue": 1.5, "stall_after": 1, "stall": 30,
+                                                           "json": {"answer": "ok"}}, {"json": {"answer": "ok"}}]},
+                        {"match": "hung", "responses": [{"hang": 3}, {"json": {"answer": "ok"}}]}]}
+    with RunningFakeServer(script, tmp_path) as srv, \
+            backend(srv, model="m", timeout_s=None, stall_timeout_s=0.5, min_tokens_per_s=0.5,
+                    connect_timeout_s=0.5) as be:
+        queued, wedged, hung = be.generate([req(0, "queued"), req(1, "wedged"), req(2, "hung")])
+        gens = srv.generations()
+    assert queued.ok and queued.attempts == 1
+    assert wedged.ok and wedged.attempts == 2  # cut 0.5 s into the silence after its first token
+    assert hung.ok and hung.attempts == 2  # no headers within connect + stall bounds
+    assert sum(g.get("how") == "client_disconnected" for g in gens) == 1  # the wedged one's first attempt
+
+
 def test_request_timeouts_from_config_and_environment(monkeypatch):
     from qumem_pipeline.llm.timeouts import DEFAULT_MIN_TOKENS_PER_S, DEFAULT_STALL_S, RequestTimeouts
 

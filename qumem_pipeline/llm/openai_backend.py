@@ -9,12 +9,14 @@ understands: `response_format={"type": "json_schema", ...}` (the OpenAI form) an
 `guided_json` field, so it is never sent.)
 
 Streaming (`stream: true`, default): tokens arrive as server-sent events, so a slow generation
-that keeps progressing is never cut; a request is cut only after `stall` seconds without a byte,
-or past its overall bound (`RequestTimeouts`: derived from max_tokens and a tokens/s floor unless
-fixed). Cutting a request closes its connection, and vLLM aborts a request whose client
-disconnected, so a retry never runs next to the generation it replaces. Usage comes from the
-final chunk (`stream_options.include_usage`). A server that ignores `stream` and answers with a
-plain completion is read as one.
+that keeps progressing is never cut; a request is cut only after `stall` seconds without a byte
+(before the response headers, or between events once its first event came: a request the server
+accepted may wait in the engine's queue for its first token), or past its overall bound
+(`RequestTimeouts`: derived from max_tokens and a tokens/s floor unless fixed). Cutting a request
+closes its connection, and vLLM aborts a request whose client disconnected, so a retry never
+runs next to the generation it replaces. Usage comes from the final chunk
+(`stream_options.include_usage`). A server that ignores `stream` and answers with a plain
+completion is read as one.
 
 Faults, per request: 429 (Retry-After honoured, capped at `max_retry_after_s`), 5xx, timeouts
 (stall / overall; a hung server is a stall), dropped or cut connections (a stream that ends before
@@ -230,9 +232,27 @@ class OpenAIBackend(BackendBase):
 
     # -- one HTTP exchange ----------------------------------------------------------------------
     async def _exchange(self, client: httpx.AsyncClient, req: ChatRequest, body: dict, attempt: int) -> "_Reply | ChatResult":
+        overall = self.timeouts.overall_for(req.max_tokens)
         # without streaming nothing arrives before the end: only the overall bound can apply
-        stall = self.timeouts.stall_for(req.max_tokens) if self.stream else self.timeouts.overall_for(req.max_tokens)
-        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=stall, write=stall, pool=None)
+        stall = self.timeouts.stall_for(req.max_tokens) if self.stream else overall
+        # The stall bound is kept here, not by httpx's read timeout (only a backstop at the overall
+        # bound), because it must not run while a streamed request waits in the engine's queue:
+        # vLLM sends the response headers at once and the first event only with the first token,
+        # which a full engine (64 in flight on 2 CPU cores) takes minutes to reach; cutting it there
+        # re-queued it at the back and paid its prefill twice (issue 18).
+        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=overall, write=stall, pool=None)
+        loop = asyncio.get_running_loop()
+        try:
+            # until the headers: connecting (its own bound) and then `stall`
+            async with asyncio.timeout_at(loop.time() + self.connect_timeout_s + stall) as bound:
+                return await self._exchange_within(client, req, body, attempt, timeout,
+                                                   lambda when: bound.reschedule(None if when is None else loop.time() + when),
+                                                   stall)
+        except TimeoutError:  # only `bound` raises it here (the overall bound fires outside, in `_one`)
+            raise _Retryable(f"timeout: no progress for {stall:g}s") from None
+
+    async def _exchange_within(self, client: httpx.AsyncClient, req: ChatRequest, body: dict, attempt: int,
+                               timeout: httpx.Timeout, rearm, stall: float) -> "_Reply | ChatResult":
         # Leaving this block by any exit (finished, stalled, over its bound, cancelled) closes the
         # response; an unfinished one takes its connection with it, which makes vLLM abort it.
         async with client.stream("POST", self.url, json=body, headers=self._headers(), timeout=timeout) as resp:
@@ -251,7 +271,8 @@ class OpenAIBackend(BackendBase):
                 return ChatResult(request_id=req.request_id, parsed=None, raw_text=text,
                                   error=f"{ERROR_HTTP}: HTTP {resp.status_code}: {text[:500]}", attempts=attempt + 1)
             if "text/event-stream" in resp.headers.get("content-type", ""):
-                return await self._read_stream(resp)
+                rearm(None)  # accepted: queued until its first token, under the overall bound only
+                return await self._read_stream(resp, lambda: rearm(stall))
             raw = (await resp.aread()).decode("utf-8", "replace")  # a plain completion (stream ignored or off)
             try:
                 payload = json.loads(raw)
@@ -261,13 +282,15 @@ class OpenAIBackend(BackendBase):
                 raise _Retryable(f"{MALFORMED} ({type(exc).__name__}): {raw[:200]}")
             return _Reply(text, choice.get("finish_reason"), payload.get("usage") or {})
 
-    async def _read_stream(self, resp: httpx.Response) -> _Reply:
+    async def _read_stream(self, resp: httpx.Response, progressed=lambda: None) -> _Reply:
+        """The streamed completion; `progressed()` after each line received (the stall bound restarts)."""
         parts: list[str] = []
         finish: str | None = None
         usage: dict = {}
         chunks = 0
         done = False
         async for line in resp.aiter_lines():
+            progressed()
             if not line.startswith("data:"):
                 continue  # blank separators, `event:` / `:` comment lines
             data = line[5:].strip()
@@ -323,9 +346,8 @@ class OpenAIBackend(BackendBase):
             except TimeoutError:  # asyncio.timeout: streaming, but not done within the overall bound
                 last_reason = f"timeout: no completion within {overall:g}s (overall bound for max_tokens={req.max_tokens})"
                 delay = self._backoff(attempt, None)
-            except httpx.TimeoutException as exc:
-                last_reason = (f"timeout: no progress for {self.timeouts.stall_for(req.max_tokens):g}s "
-                               f"({type(exc).__name__})")
+            except httpx.TimeoutException as exc:  # connect, write, or the read backstop
+                last_reason = f"timeout ({type(exc).__name__}): {exc}"
                 delay = self._backoff(attempt, None)
             except httpx.TransportError as exc:
                 last_reason = f"{type(exc).__name__}: {exc}"

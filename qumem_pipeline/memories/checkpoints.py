@@ -5,7 +5,8 @@ is appended as a row of the `memory_checkpoints` table (one Delta commit per app
 keeps every append before it) as it finishes (`record`, flushed within a second or a few dozen calls;
 `flush` on failure). A rerun loads them and sends only the missing calls to the LLM.
 The key hashes the exact prompt (episode transcript, type instruction, system text), the prompt
-version, the model id and max_tokens, so a changed episode, prompt or model is recomputed, never
+version, the model id and the configured max_tokens (a request is sent with twice it, see
+`decompose.LENGTH_BUDGET_FACTOR`), so a changed episode, prompt or model is recomputed, never
 served stale. When a user's memories are written, `compact` replaces the user's rows with only the
 keys still in use; they stay as a result cache (a rerun after a later-stage crash repeats no call),
 and, being rows of a user-keyed table, they go with `forget`.

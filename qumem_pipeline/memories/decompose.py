@@ -57,6 +57,29 @@ from qumem_pipeline.memories.prompts import (  # noqa: F401
 
 
 # -- the run ----------------------------------------------------------------------------------
+# A call may write up to this many times `max_tokens`, in its one request. Why: decoding is greedy
+# (temperature 0), so the old "cut at max_tokens -> retry at twice the tokens" rewrote the same first
+# max_tokens tokens before going on: the same output as one request at twice the budget, paid
+# max_tokens tokens more, and sent late, a straggler running alone at single-sequence speed after
+# every other call had finished (issue 18: a 721-token retry, 125 s of the bench's 536 s stage). A call
+# cut at the full budget is not retried: greedy decoding would repeat the cut.
+LENGTH_BUDGET_FACTOR = 2
+
+
+def call_budget(max_tokens: int) -> int:
+    """The max_tokens a decomposition request is sent with (the configured budget, grown once)."""
+    return int(max_tokens) * LENGTH_BUDGET_FACTOR
+
+
+def decompose_requests(episodes: Iterable[Any], max_tokens: int = 512,
+                       types: Sequence[str] = MEMORY_TYPES) -> list[ChatRequest]:
+    """The first-attempt requests `decompose_episodes` sends for `max_tokens`, exactly (benches use them)."""
+    reqs = build_requests(episodes, max_tokens=call_budget(max_tokens), types=types)
+    for r in reqs:
+        r.metadata["budget"] = int(max_tokens)  # the configured budget: what the checkpoint key names
+    return reqs
+
+
 @dataclass
 class DecomposeOutput:
     memories: pl.DataFrame
@@ -107,6 +130,10 @@ def decompose_episodes(
 ) -> DecomposeOutput:
     """Decompose every episode (all users); retry bad output once, then quarantine.
 
+    Each call is sent with `call_budget(max_tokens)` (twice `max_tokens`, see LENGTH_BUDGET_FACTOR);
+    one cut there is quarantined without a retry, other bad output (invalid JSON, off-schema) is
+    retried once with the same budget.
+
     The calls go to the backend continuously (`generate_each`: a bounded number in flight, the
     backend's concurrency, each slot refilled the moment its call finishes), so no call waits for
     the slowest of a batch. Each finished call is handed to `checkpoint.record` as it finishes
@@ -134,7 +161,7 @@ def decompose_episodes(
     restored = checkpoint.load(sorted({e.user_id for e in eps})) if checkpoint is not None else {}
     outcomes: dict[str, CallOutcome] = {}
     todo: list[ChatRequest] = []
-    requests = build_requests(eps, max_tokens=max_tokens, types=types)
+    requests = decompose_requests(eps, max_tokens=max_tokens, types=types)
     keys = [run.key_of(r) for r in requests]
     for req, k in zip(requests, keys):
         if k in restored:
@@ -180,24 +207,26 @@ class _CallRunner:
 
     def key_of(self, req: ChatRequest) -> str:
         md = req.metadata
+        # keyed on the configured budget: a checkpoint written by the old cut-then-retry-at-2x policy
+        # holds the same final output (greedy decoding), so it is still served
         return call_key(md["user_id"], md["episode_id"], md["type"], req.messages, self.prompt_version,
-                        self.model, req.max_tokens if md["attempt"] == 1 else md["first_max_tokens"])
+                        self.model, md["budget"])
 
     def on_result(self, req: ChatRequest, res: ChatResult,
                   finished: Callable[[CallOutcome], None]) -> list[ChatRequest] | None:
         """A final outcome goes to `finished`; bad first output becomes one retry request."""
         md = req.metadata
         attempt = md["attempt"]
-        if res.ok or attempt == 2:
+        # a cut at the full budget is final: greedy decoding would write the same tokens again
+        if res.ok or attempt == 2 or res.error_kind == "length":
             finished(self._finish(req, res, attempt, self._first_rows))
             return None
         self._first_rows[self.key_of(req)] = self._ledger_row(req, res, attempt, "retried")
-        new_tokens = req.max_tokens * 2 if res.error_kind == "length" else req.max_tokens
         return [ChatRequest(
             request_id=_request_id(self.by_key[(md["user_id"], md["episode_id"])], md["type"], 2),
             messages=req.messages, json_schema=req.json_schema, constraint_schema=req.constraint_schema,
-            max_tokens=new_tokens, schema_name=req.schema_name,
-            metadata={**md, "attempt": 2, "first_error": res.error, "first_max_tokens": req.max_tokens},
+            max_tokens=req.max_tokens, schema_name=req.schema_name,
+            metadata={**md, "attempt": 2, "first_error": res.error},
         )]
 
     def _finish(self, req: ChatRequest, res: ChatResult, attempt: int, first_rows: dict) -> CallOutcome:
