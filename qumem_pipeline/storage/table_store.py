@@ -208,9 +208,13 @@ class TableStore:
         fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
         flt = pads.field(BUCKET).isin(buckets) & pads.field(KEY).isin(users)
         pieces = []
-        for path, b in acts.select("path", f"partition.{BUCKET}").iter_rows():
+        n_rows = acts["num_records"] if "num_records" in acts.columns else pl.repeat(None, acts.height, eager=True)
+        for (path, b), n in zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), n_rows):
             frag = fmt.make_fragment(f"{prefix}/{unquote(path)}", filesystem=fs,
                                      partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
+            if n is not None and n <= ROW_GROUP_ROWS:  # one row group at most: no footer read to prune it
+                pieces.append(frag)
+                continue
             keep = _row_groups_holding(frag.metadata, users)
             if keep:
                 pieces.append(frag.subset(row_group_ids=keep))
