@@ -114,3 +114,13 @@ def test_the_ingest_sync_holds_the_roots_lease(tmp_path, monkeypatch):
     monkeypatch.undo()
     r = sync_archive(ArchiveConfig(str(archive)), DataLayout(tmp_path / "data"))
     assert r.rows_read == 4 and Lease(tmp_path / "data", "ingest").state()[1]["action"] == "release"
+
+
+def test_a_holder_whose_renewals_stall_stops_writing_at_its_ttl(tmp_path, monkeypatch):
+    lease = Lease(tmp_path, "ingest", ttl_s=1.0, holder="host-s:1:x")
+    lease.acquire()
+    lease._stop.set()  # the renewer is stuck (as on an unreachable store): no renewal lands
+    lease.check()  # within the ttl: fine
+    time.sleep(1.2)
+    with pytest.raises(LeaseLostError, match="not renewed within its ttl"):
+        lease.check()

@@ -77,6 +77,7 @@ class Lease:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.seq: int | None = None  # the version of our last lease commit while we hold it
         self._lost: Exception | None = None
+        self._valid_until = 0.0  # monotonic: when our last lease commit runs out, by our own clock
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -122,7 +123,7 @@ class Lease:
     def _commit(self, seq: int, action: str, snapshot: DeltaTable) -> bool:
         """Append the row of lease version `seq` on `snapshot` (the table as `seq - 1` was read
         from it); False when another commit took `seq` first."""
-        now = _now()
+        now, started = _now(), time.monotonic()
         row = pl.DataFrame({"seq": [seq], "holder": [self.holder], "action": [action],
                             "expires_at": [now + self.ttl], "written_at": [now]}, schema=_SCHEMA)
         commit = CommitProperties(app_transactions=[Transaction(self.app_id, seq)],
@@ -134,6 +135,7 @@ class Lease:
             if isinstance(exc, CommitFailedError) or "concurrent" in msg or "already exists" in msg:
                 return False
             raise
+        self._valid_until = started + self.ttl.total_seconds()
         return True
 
     # -------------------------------------------------------------- use
@@ -163,7 +165,10 @@ class Lease:
         self.seq = seq + 1
 
     def check(self) -> None:
-        """Raise when this holder has lost the lease (call before each write)."""
+        """Raise when this holder has lost the lease (call before each write): a renewal failed, or
+        none succeeded within the ttl (a renewer stuck on the store must not let writes go on)."""
+        if self._lost is None and self.seq is not None and time.monotonic() > self._valid_until:
+            self._lost = LeaseLostError(f"lease {self.uri}: not renewed within its ttl")
         if self._lost is not None:
             raise self._lost
 
