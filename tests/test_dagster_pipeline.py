@@ -132,7 +132,9 @@ def test_main_job_materializes_every_asset_per_user(pipeline_run):
         assert layout.users_in(table) == ["alice", "bob", "chen"], table
         # one Delta table, one commit per run: no per-user files
         assert (data_root / table / "_delta_log").is_dir() and not list((data_root / table).glob("user_id=*"))
-        assert [h["operation"] for h in layout.store._open(table).history()] == ["WRITE"], table
+        # (the first write of a table creates it: through delta-rs, or with its files on the add-only path)
+        assert len(ops := [h["operation"] for h in layout.store._open(table).history()]) == 1, table
+        assert ops[0] in ("WRITE", "CREATE TABLE"), table
     for u in ("alice", "bob", "chen"):
         assert set(layout.read_user_table("indexes", u)["type"]) == {"fact", "preference", "insight"}
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
