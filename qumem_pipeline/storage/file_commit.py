@@ -30,8 +30,8 @@ import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Schema
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
-# zstd level 1: ~10% more bytes than zstd's default level for ~10% less CPU; snappy would cut
-# another ~20% of CPU for ~45% more bytes (measured on the bench's turns).
+# zstd level 1: between zstd's default level (smaller files, more CPU) and snappy (less CPU, larger
+# files); bench/ingest.py `writers` compares the resulting write with delta-rs' writer.
 CODEC, CODEC_LEVEL = "zstd", 1
 
 
