@@ -1,6 +1,6 @@
 """Add rows to a Delta table by writing its Parquet files here and committing them in one transaction.
 
-Why: delta-rs' own writer (`write_deltalake`) spends about twice the CPU of polars' Parquet writer
+Why: delta-rs' own writer (`write_deltalake`) spends about 1.4-1.5x the CPU of polars' Parquet writer
 on the same rows and codec (`python bench/ingest.py` `writers`: the turns of a generated archive
 written both ways in the same run), and on a fresh ingest that write is the largest stage. A
 write that removes nothing needs none of delta-rs' rewrite machinery: an append, or a replace
