@@ -36,6 +36,7 @@ def main(argv=None) -> int:
 
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
     from qumem_pipeline.episodes.segmentation import build_episodes_for_users
+    from qumem_pipeline.index.embeddings import Embedder
     from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive
 
     turns = load_archive(ArchiveConfig(args.archive)).turns
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     clf = ContinuityClassifier.load(device=args.device)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    clf.sentence_encoder()  # what the shipped rule adds to the classifier's load (loaded once, here)
+    Embedder.load(device=clf.device)  # what the shipped rule adds to the classifier's load, measured alone
     encoder_load_s = time.perf_counter() - t0
     if not clf.rule.needs_similarity:
         raise SystemExit(f"the artifact's rule has no similarity dips ({clf.rule.describe()}): nothing to measure")

@@ -335,18 +335,17 @@ class TableStore:
         if not df[KEY].is_sorted():  # rows usually come in user order already: skip a copy of every column
             df = df.sort(KEY, maintain_order=True)
         commit = CommitProperties(custom_metadata={"qumem.operation": operation, "qumem.users": str(len(users))})
-        fast = self._fast_write(table, dt, df, target, new_cols, buckets, operation, commit, n)
-        if fast == "written":
+        if self._fast_write(table, dt, df, target, new_cols, buckets, operation, commit, n):
             self._tables.pop(table, None)
             dt2 = self._open(table)
             return dt2.version() if dt2 is not None else -1
-        if fast == "raced":  # the add-only commit landed beside another writer's: replace on the latest
-            dt = self._open(table)
+        dt = self._open(table)  # the add-only path may have committed (then raced): write on the latest
         arrow = df.to_arrow()
         if dt is None:
             hints = {c: _dtype_to_str(t) for c, t in target.items() if _lossy(t)}
+            meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": hints}
             write_deltalake(self.uri(table), arrow, mode="append", partition_by=[BUCKET],
-                            description=_description(n, hints), configuration=_TABLE_CONFIG,
+                            description=json.dumps(meta), configuration=_TABLE_CONFIG,
                             storage_options=self.storage_options, writer_properties=_WRITER,
                             target_file_size=TARGET_FILE_SIZE, commit_properties=commit)
         else:
@@ -363,25 +362,25 @@ class TableStore:
         return dt2.version() if dt2 is not None else -1
 
     def _fast_write(self, table: str, dt: DeltaTable | None, df: pl.DataFrame, target: pl.Schema, new_cols: dict,
-                    buckets: dict[str, int], operation: str, commit: CommitProperties, n: int) -> str:
+                    buckets: dict[str, int], operation: str, commit: CommitProperties, n: int) -> bool:
         """Write `df` as new files plus one add-only commit (storage/file_commit.py) when the write
-        removes nothing: an append, or a replace none of whose users a stored file may hold.
-        "written"; "skipped" (nothing done: the caller writes through delta-rs); "raced" (committed,
-        but another writer added the same users meanwhile: the caller replaces them through delta-rs)."""
+        removes nothing: an append, or a replace none of whose users a stored file may hold. False:
+        the caller writes through delta-rs."""
         if new_cols or not fast_path_ok(target) or (dt is not None and self._meta(dt).get("dtypes")):
-            return "skipped"
+            return False
         if operation != "append":
             by_bucket: dict[int, list[str]] = {}
             for u, b in buckets.items():
                 by_bucket.setdefault(b, []).append(u)
             if may_hold(dt, by_bucket, KEY, BUCKET):
-                return "skipped"
+                return False
         fs, base = self.filesystem()
         adds = write_files(df, fs, f"{base}/{table}", key=KEY, bucket=BUCKET, row_group_rows=ROW_GROUP_ROWS,
                            target_file_bytes=TARGET_FILE_SIZE)
         if dt is None:
+            meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": {}}
             commit_new_table(self.uri(table), df.clear().to_arrow().schema, adds, partition_by=[BUCKET],
-                             description=_description(n, {}), configuration=_TABLE_CONFIG,
+                             description=json.dumps(meta), configuration=_TABLE_CONFIG,
                              storage_options=self.storage_options, commit=commit)
         else:
             commit_append(dt, adds, partition_by=[BUCKET], commit=commit)
@@ -390,8 +389,8 @@ class TableStore:
             # our commit would leave both copies. Then the rows are replaced through delta-rs.
             self._tables.pop(table, None)
             if may_hold(self._open(table), by_bucket, KEY, BUCKET, exclude={a.path for a in adds}):
-                return "raced"
-        return "written"
+                return False
+        return True
 
     def _data_schema(self, dt: DeltaTable) -> pl.Schema:
         arrow = _pa_schema(dt.schema().to_arrow())
@@ -470,11 +469,6 @@ _TABLE_CONFIG = {
     "delta.dataSkippingStatsColumns": f"{KEY},{BUCKET}",
     "delta.logRetentionDuration": "interval 30 days",
 }
-
-
-def _description(n_buckets: int, dtype_hints: dict) -> str:
-    """A new table's description: the store's tag, its bucket count (fixed for its life), dtype hints."""
-    return json.dumps({"tag": DESCRIPTION_TAG, "user_buckets": n_buckets, "dtypes": dtype_hints})
 
 
 def _row_groups_holding(md, users: list[str]) -> list[int]:

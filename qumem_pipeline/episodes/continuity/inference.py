@@ -77,7 +77,9 @@ class ContinuityClassifier:
         self.max_len = int(net.cfg.max_len)
         self.use_bf16 = device.type == "cuda"
         self.pad_to_multiple = 8 if device.type == "cuda" else 1
-        self._encoder = None  # the base sentence encoder, loaded on the first pair_cosine
+        self._encoder = None  # the base sentence encoder, loaded when the rule needs it
+        if rule.needs_similarity:
+            self.sentence_encoder()
 
     # ------------------------------------------------------------------------------------
     @classmethod
