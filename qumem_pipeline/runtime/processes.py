@@ -1,10 +1,11 @@
-"""Child servers on loopback (vLLM, dagster-webserver, test servers): a free port, and a stop that
-leaves no process of the server's group behind."""
+"""Child servers on loopback (vLLM, dagster-webserver, test servers): a free port, a start that ties
+the server's life to its parent's, and a stop that leaves no process of the server's group behind."""
 
 import os
 import signal
 import socket
 import subprocess
+import sys
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,3 +34,49 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 30) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    lifeline = getattr(proc, "lifeline", None)
+    if lifeline is not None and not lifeline.closed:
+        lifeline.close()
+
+
+# The guard runs as the leader of the server's own session. It waits on the server and on its stdin,
+# a pipe whose only writer is the parent: EOF there means the parent is gone, however it died
+# (SIGKILL, OOM, a crash), and the guard stops the whole group. It ignores SIGTERM, so a group stop
+# (stop_process_group) lets the server shut down gracefully while the guard waits for it.
+_GUARD = r"""
+import os, signal, subprocess, sys, threading, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+server = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+def parent_gone():
+    try:
+        while os.read(0, 65536):
+            pass
+    except OSError:
+        pass
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=float(os.environ.get("QUMEM_ORPHAN_GRACE_S", "20")))
+        except subprocess.TimeoutExpired:
+            pass
+    os.killpg(0, signal.SIGKILL)
+threading.Thread(target=parent_gone, daemon=True).start()
+sys.exit(server.wait())
+"""
+
+
+def popen_tied_to_parent(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """Start `cmd` in its own session under a guard that stops it when this process dies.
+
+    Why: a server started with `start_new_session=True` (so a terminal's Ctrl-C does not reach it
+    before `close()` runs) outlives a parent killed by a signal, and an orphaned vLLM keeps both
+    cores and gigabytes busy under the rerun. The returned process is the guard: its exit code is the
+    server's, and `stop_process_group` stops guard and server together."""
+    read_end, write_end = os.pipe()  # non-inheritable: only this process holds the writer
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _GUARD, *cmd], stdin=read_end, start_new_session=True,
+                                **kwargs)
+    finally:
+        os.close(read_end)
+    proc.lifeline = os.fdopen(write_end, "wb")  # closed with this process, or at stop
+    return proc

@@ -71,6 +71,7 @@ def _decompose(convs, episodes_by_user, backend, *, max_tokens, layout, log, che
 
     from qumem_pipeline.memories.checkpoints import CheckpointStore
     from qumem_pipeline.memories.decompose import decompose_episodes
+    from qumem_pipeline.runtime.progress import ProgressLine
 
     log = log or (lambda msg: None)
     store = CheckpointStore(checkpoint_root if checkpoint_root is not None else
@@ -90,7 +91,7 @@ def _decompose(convs, episodes_by_user, backend, *, max_tokens, layout, log, che
         return []
     t0 = time.perf_counter()
     out = decompose_episodes(inputs, backend, created_at=datetime.now(timezone.utc), max_tokens=max_tokens,
-                             checkpoint=store)
+                             checkpoint=store, progress=ProgressLine(log, "[locomo] decomposition calls", every_s=30.0))
     log(f"[locomo] decomposed {len(users)} speakers: {len(inputs)} episodes, {out.summary['llm_calls']} calls "
         f"({out.stats.reused_calls} from checkpoints), {out.memories.height} memories, {out.quarantine.height} "
         f"quarantined ({time.perf_counter() - t0:.0f}s)")
