@@ -352,3 +352,44 @@ def test_a_state_is_rendered_as_its_evidence_within_the_word_budget():
     assert render_grounded(None, texts, None, 40).startswith("Inferred state: (none")
     tight = render_grounded(row, texts, {"m1": d, "m2": d}, budget=10)
     assert "Other evidence" not in tight and "Jon took up painting" in tight  # the state itself is never cut
+
+
+def test_ledger_replays_each_call_as_it_finished_retries_included(tmp_path):
+    """A call cut at its budget, then retried, is replayed as cut-then-retried: a rerun sends nothing
+    and gets the first run's results; a call that got no completion (a proxy's HTML page) is sent again."""
+    from fake_openai_server import RunningFakeServer
+
+    from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend, generate_with_retry
+    from qumem_pipeline.llm.base import ChatRequest
+    from qumem_pipeline.llm.factory import make_backend
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    script = {"model": "m1", "rules": [
+        {"match": "cut-once", "responses": [{"content": '{"answer": "ha', "finish_reason": "length"},
+                                            {"json": {"answer": "second try"}}]},
+        {"match": "always-cut", "responses": [{"content": '{"answer": "  ', "finish_reason": "length"}]},
+        {"match": "down", "responses": [{"garbage": "<html>proxy error</html>"}]}]}
+
+    def reqs():
+        return [ChatRequest(f"r{i}", [{"role": "user", "content": t}], schema, 16, "answer_obj")
+                for i, t in enumerate(["cut-once", "always-cut", "down"])]
+
+    ledger = tmp_path / "ledger.jsonl"
+    with RunningFakeServer(script, tmp_path / "srv") as srv:
+        def run():
+            inner = make_backend("openai", base_url=srv.base_url, max_retries=0, timeout_s=5.0)
+            lb = LedgerBackend(inner, ledger)
+            res = generate_with_retry(lb, reqs())
+            lb.close()
+            return lb, [(r.parsed, r.error_kind) for r in res]
+
+        first, got1 = run()
+        assert got1[0] == ({"answer": "second try"}, None)
+        assert got1[1][1] == "length" and got1[2][1] == "invalid_json"
+        assert first.sent == 6 and first.replayed == 0
+        n_requests = len(srv.requests())
+        second, got2 = run()
+        assert got2 == got1  # the same results, the retry included
+        assert second.replayed == 4  # cut, retry, cut, cut: finished calls are never paid twice
+        assert second.sent == 2  # only the calls that got no answer
+        assert len(srv.requests()) == n_requests + 2

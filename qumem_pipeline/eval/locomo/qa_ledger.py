@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult
+from qumem_pipeline.llm.base import (
+    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult,
+)
 
 
 class JsonlLog:
@@ -50,9 +52,25 @@ def request_fingerprint(model: str, req: ChatRequest) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+# Errors the model's own output made (a cut at the token budget, JSON off the schema): the same
+# request gets the same answer at temperature 0, so a rerun replays them. Transport and HTTP
+# failures and timeouts produced no answer and are sent again.
+REPLAYABLE_ERRORS = (ERROR_LENGTH, ERROR_SCHEMA, ERROR_INVALID_JSON)
+
+
+def _replayable(row: dict) -> bool:
+    if row["status"] == "ok":
+        return True
+    kind = (row.get("error") or "").split(":", 1)[0]
+    return kind in REPLAYABLE_ERRORS and bool(row.get("completion_tokens")) and row.get("finish_reason") is not None
+
+
 class LedgerBackend(BackendBase):
-    """Wraps the run's backend: every call it sends is a ledger row; a call whose fingerprint already has
-    a good answer in the ledger is replayed from it (a resumed run pays for no finished call twice)."""
+    """Wraps the run's backend: every call it sends is a ledger row, and a rerun pays for no finished call
+    twice. The n-th call of a request this run replays the n-th ledger row of that request when that one
+    finished (an answer, or an error of the model's own output), so a retry after a failure is replayed
+    as the retry, and a run resumed or repeated makes exactly the calls, and gets exactly the results,
+    of the first."""
 
     def __init__(self, inner, ledger_path: str | os.PathLike) -> None:
         self.inner = inner
@@ -61,25 +79,30 @@ class LedgerBackend(BackendBase):
         self.log = JsonlLog(ledger_path)
         self.tags: dict = {}
         self.sent = self.replayed = 0
-        self._done: dict[str, dict] = {}
+        self._rows: dict[str, list[dict]] = defaultdict(list)  # fingerprint -> finished rows, in call order
+        self._seen: dict[str, int] = defaultdict(int)  # fingerprint -> calls made this run
         self._attempts: dict[str, int] = defaultdict(int)
         for row in self.log.rows():
             self._attempts[row["fingerprint"]] += 1
-            if row["status"] == "ok" and row.get("model") == self.model_name:
-                self._done[row["fingerprint"]] = row
+            if row.get("model") == self.model_name and _replayable(row):
+                self._rows[row["fingerprint"]].append(row)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
         out: list[ChatResult | None] = [None] * len(requests)
         fps = [request_fingerprint(self.model_name, r) for r in requests]
         todo = []
         for i, (req, fp) in enumerate(zip(requests, fps)):
-            row = self._done.get(fp)
-            if row is None:
+            nth = self._seen[fp]
+            self._seen[fp] += 1
+            rows = self._rows.get(fp, [])
+            if nth >= len(rows):
                 todo.append(i)
                 continue
+            row = rows[nth]
             self.replayed += 1
-            out[i] = ChatResult(req.request_id, json.loads(row["parsed"]), row["raw_text"], None, row["prompt_tokens"],
-                                row["completion_tokens"], row["cached_tokens"], 0.0, 0, row["finish_reason"])
+            out[i] = ChatResult(req.request_id, json.loads(row["parsed"]) if row["parsed"] else None, row["raw_text"],
+                                row.get("error"), row["prompt_tokens"], row["completion_tokens"], row["cached_tokens"],
+                                0.0, 0, row["finish_reason"])
         if todo:
             results = self.inner.generate([requests[i] for i in todo])
             now = datetime.now(timezone.utc).isoformat()
@@ -99,8 +122,8 @@ class LedgerBackend(BackendBase):
                     "raw_text": res.raw_text, "parsed": json.dumps(res.parsed) if res.parsed is not None else None,
                 }
                 rows.append(row)
-                if res.ok:
-                    self._done[fp] = row
+                if _replayable(row):
+                    self._rows[fp].append(row)
                 out[i] = res
             self.sent += len(todo)
             self.log.append(rows)
