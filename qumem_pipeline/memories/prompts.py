@@ -24,7 +24,10 @@ SYSTEM_PROMPT = (
 TYPE_INSTRUCTIONS = {
     "fact": (
         "Task: extract FACTUAL memories. Factual memories record concrete user experiences, behaviors, "
-        "activities, states, or events, without inferring broader tendencies."
+        "activities, states, or events, without inferring broader tendencies. Cover the whole episode: "
+        "every user turn that states a concrete fact about the user (an event, plan, purchase, person, place "
+        "or date) gives at least one memory, a turn with several such facts gives one memory for each, and "
+        "each memory keeps the names, numbers and specific details its turn gives."
     ),
     "preference": (
         "Task: extract PREFERENCE memories. Preference memories record the user's choices, tendencies, "
