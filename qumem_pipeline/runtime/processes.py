@@ -44,7 +44,7 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 30) -> None:
 # (SIGKILL, OOM, a crash), and the guard stops the whole group. It ignores SIGTERM, so a group stop
 # (stop_process_group) lets the server shut down gracefully while the guard waits for it.
 _GUARD = r"""
-import os, signal, subprocess, sys, threading, time
+import os, signal, subprocess, sys, threading
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 server = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 def parent_gone():
@@ -69,8 +69,8 @@ def popen_tied_to_parent(cmd: list[str], **kwargs) -> subprocess.Popen:
     """Start `cmd` in its own session under a guard that stops it when this process dies.
 
     Why: a server started with `start_new_session=True` (so a terminal's Ctrl-C does not reach it
-    before `close()` runs) outlives a parent killed by a signal, and an orphaned vLLM keeps both
-    cores and gigabytes busy under the rerun. The returned process is the guard: its exit code is the
+    before `close()` runs) outlives a parent killed by a signal, and an orphaned vLLM keeps the cores
+    and its memory busy under the rerun. The returned process is the guard: its exit code is the
     server's, and `stop_process_group` stops guard and server together."""
     read_end, write_end = os.pipe()  # non-inheritable: only this process holds the writer
     try:
