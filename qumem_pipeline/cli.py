@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--archive", help="archive file, directory or glob (default: examples/archive)")
             sp.add_argument("--format", help="jsonl | parquet | locomo | chatgpt (default: detect)")
             sp.add_argument("--strict", action="store_true", help="fail the run on any bad row instead of quarantining it")
-        sp.add_argument("--data-root", help="where per-user Parquet tables live (default: ./data)")
+        sp.add_argument("--data-root", help="where the Delta tables live: a local path or s3://, gs://, az:// (default: ./data)")
         sp.add_argument("--warehouse", help="DuckDB file (default: <data-root>/warehouse.duckdb)")
         sp.add_argument("--json", action="store_true", help="print one JSON object with the figures as the last line")
 

@@ -155,6 +155,10 @@ def test_every_strategy_answers_and_is_scored(toy, embedder, tmp_path):
             "strategy", "fingerprint"} <= set(ledger[0])
     assert {r["strategy"] for r in ledger} == set(QA_STRATEGIES)
     assert report["llm_calls"]["ledger_rows"] == len(requests)
+    used = report["llm_calls"]["by_strategy_this_run"]  # the calls behind this run's answers, per strategy
+    assert set(used) == set(QA_STRATEGIES) and sum(v["calls"] for v in used.values()) == len(requests)
+    assert used["none"]["calls"] == 5 and used["qumem"]["calls"] == 5 * 4  # A1, A2, A3, answer
+    assert all(v["errors"] == 0 and v["salvaged"] == 0 for v in used.values())
     # checkpoint: one row per strategy and question
     ck = [json.loads(x) for x in (tmp_path / "out" / "qa.checkpoint.jsonl").read_text().splitlines()]
     assert len(ck) == 5 * len(QA_STRATEGIES) and len({(r["strategy"], r["key"]) for r in ck}) == len(ck)
@@ -359,7 +363,8 @@ def test_ledger_replays_each_call_as_it_finished_retries_included(tmp_path):
     and gets the first run's results; a call that got no completion (a proxy's HTML page) is sent again."""
     from fake_openai_server import RunningFakeServer
 
-    from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend, generate_with_retry
+    from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend
+    from qumem_pipeline.llm.retry import generate_with_retry
     from qumem_pipeline.llm.base import ChatRequest
     from qumem_pipeline.llm.factory import make_backend
 

@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import jsonschema
 
+from qumem_pipeline.llm.salvage import ends_in_whitespace_run, salvage_whitespace_cut
+
 # Error kinds a ChatResult can carry (the prefix of `error`, before ':').
 ERROR_INVALID_JSON = "invalid_json"
 ERROR_SCHEMA = "schema_violation"
@@ -68,6 +70,9 @@ class ChatResult:
     latency_s: float = 0.0
     attempts: int = 1
     finish_reason: str | None = None
+    # True when the output was cut at max_tokens in a whitespace run and closed after its last
+    # finished value (see `llm.salvage`): `parsed` is what the model wrote before the run.
+    salvaged: bool = False
 
     @property
     def ok(self) -> bool:
@@ -166,3 +171,24 @@ def parse_structured(raw_text: str, schema: dict[str, Any] | None) -> tuple[dict
     if not isinstance(value, dict):
         return None, f"{ERROR_SCHEMA}: top-level value is {type(value).__name__}, not an object"
     return value, None
+
+
+def read_output(raw_text: str, schema: dict[str, Any] | None, finish: str | None,
+                max_tokens: int) -> tuple[dict | None, str | None, bool]:
+    """(parsed, error, salvaged) for one completion: `parse_structured`, then, for an output cut at
+    its budget in a whitespace run, the finished JSON before the run (`llm.salvage`). Every backend
+    and the evaluation ledger's replay read outputs through this, so a rerun reads them alike."""
+    parsed, error = (None, None)
+    if schema is not None or raw_text:
+        parsed, error = parse_structured(raw_text, schema)
+    if error is None or finish != "length":
+        return parsed, error, False
+    rescued = salvage_whitespace_cut(raw_text, schema)
+    if rescued is not None:
+        return rescued, None, True
+    hint = ""
+    if schema is not None and ends_in_whitespace_run(raw_text):
+        hint = (" [output ends in a whitespace run after an unfinished value: the server lets free whitespace "
+                "into JSON; start vLLM with --structured-outputs-config "
+                "'{\"backend\":\"xgrammar\",\"disable_any_whitespace\":true}']")
+    return None, f"{ERROR_LENGTH}: output cut at max_tokens={max_tokens}{hint} ({error})", False

@@ -28,12 +28,11 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from qumem_pipeline.llm.base import (  # noqa: E402
-    ERROR_LENGTH,
     BackendBase,
     ChatRequest,
     ChatResult,
     OnResult,
-    parse_structured,
+    read_output,
 )
 
 
@@ -346,9 +345,7 @@ class LocalBackend(BackendBase):
         gen = r.tokens
         n = gen.index(self.eos_id) if self.eos_id in gen else len(gen)
         text = self.tokenizer.decode(gen[:n], skip_special_tokens=True)
-        parsed, error = parse_structured(text, r.req.json_schema)
-        if error is not None and r.finish == "length":
-            error = f"{ERROR_LENGTH}: output cut at max_tokens={r.limit} ({error})"
+        parsed, error, salvaged = read_output(text, r.req.json_schema, r.finish, r.limit)
         return ChatResult(
             request_id=r.req.request_id,
             parsed=parsed,
@@ -360,6 +357,7 @@ class LocalBackend(BackendBase):
             latency_s=r.latency,
             attempts=1,
             finish_reason=r.finish,
+            salvaged=salvaged,
         )
 
     def _rows(self, requests: list[ChatRequest]) -> list["_Row"]:

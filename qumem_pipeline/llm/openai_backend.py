@@ -42,13 +42,12 @@ import httpx
 from qumem_pipeline.llm.base import (
     ERROR_HTTP,
     ERROR_INVALID_JSON,
-    ERROR_LENGTH,
     BackendBase,
     ChatRequest,
     ChatResult,
     LLMEndpointError,
     OnResult,
-    parse_structured,
+    read_output,
 )
 from qumem_pipeline.llm.timeouts import RequestTimeouts
 
@@ -369,15 +368,7 @@ class OpenAIBackend(BackendBase):
         completion = usage.get("completion_tokens")
         if completion is None and reply.content_chunks is not None:
             completion = reply.content_chunks  # a server without include_usage: ~one token per chunk
-        parsed, error = (None, None)
-        if req.json_schema is not None or text:
-            parsed, error = parse_structured(text, req.json_schema)
-        if error is not None and finish == "length":
-            hint = ""
-            if req.json_schema is not None and len(text) >= 32 and not text[-32:].strip():
-                hint = (" [output ends in a whitespace run: the server lets free whitespace into JSON; start "
-                        "vLLM with --structured-outputs-config '{\"backend\":\"xgrammar\",\"disable_any_whitespace\":true}']")
-            error = f"{ERROR_LENGTH}: output cut at max_tokens={req.max_tokens}{hint} ({error})"
+        parsed, error, salvaged = read_output(text, req.json_schema, finish, req.max_tokens)
         return ChatResult(
             request_id=req.request_id,
             parsed=parsed,
@@ -389,6 +380,7 @@ class OpenAIBackend(BackendBase):
             latency_s=latency,
             attempts=attempts,
             finish_reason=finish,
+            salvaged=salvaged,
         )
 
     # -- many requests --------------------------------------------------------------------------

@@ -63,7 +63,8 @@ from qumem_pipeline.eval.locomo.qa_contexts import (  # noqa: F401
     render_state,
     sample_questions,
 )
-from qumem_pipeline.eval.locomo.qa_ledger import JsonlLog, LedgerBackend, generate_with_retry, request_fingerprint  # noqa: F401
+from qumem_pipeline.eval.locomo.qa_ledger import JsonlLog, LedgerBackend, request_fingerprint  # noqa: F401
+from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.eval.locomo.qa_prompt import (  # noqa: F401
     ABSTAIN_ANSWER,
     ANSWER_INSTRUCTION,
@@ -330,6 +331,7 @@ def run_qa(
         "checkpoint": str(paths["checkpoint"]), "ledger": str(paths["ledger"]), "html": str(paths["html"]),
         "llm_calls": {"sent_this_run": llm_holder[0].sent if llm_holder else 0,
                       "replayed_this_run": llm_holder[0].replayed if llm_holder else 0,
+                      "by_strategy_this_run": {k: dict(v) for k, v in llm_holder[0].used.items()} if llm_holder else {},
                       "ledger_rows": len(ledger_rows),
                       "ledger_by_strategy": _ledger_totals(ledger_rows)},
         "wall_s": round(time.perf_counter() - t0, 1),

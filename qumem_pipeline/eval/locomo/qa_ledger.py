@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from qumem_pipeline.llm.base import (
-    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult,
+    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, read_output,
 )
 
 
@@ -79,6 +79,10 @@ class LedgerBackend(BackendBase):
         self.log = JsonlLog(ledger_path)
         self.tags: dict = {}
         self.sent = self.replayed = 0
+        # strategy -> what the calls behind this run's answers returned, replayed or sent (the ledger
+        # holds every call ever paid for, other runs' included)
+        self.used: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"calls": 0, "errors": 0, "salvaged": 0, "prompt_tokens": 0, "completion_tokens": 0})
         self._rows: dict[str, list[dict]] = defaultdict(list)  # fingerprint -> finished rows, in call order
         self._seen: dict[str, int] = defaultdict(int)  # fingerprint -> calls made this run
         self._attempts: dict[str, int] = defaultdict(int)
@@ -100,9 +104,10 @@ class LedgerBackend(BackendBase):
                 continue
             row = rows[nth]
             self.replayed += 1
-            out[i] = ChatResult(req.request_id, json.loads(row["parsed"]) if row["parsed"] else None, row["raw_text"],
-                                row.get("error"), row["prompt_tokens"], row["completion_tokens"], row["cached_tokens"],
-                                0.0, 0, row["finish_reason"])
+            # read again, not copied: a finished output reads as this code reads it (a salvage added later included)
+            parsed, error, salvaged = read_output(row["raw_text"], req.json_schema, row["finish_reason"], req.max_tokens)
+            out[i] = ChatResult(req.request_id, parsed, row["raw_text"], error, row["prompt_tokens"],
+                                row["completion_tokens"], row["cached_tokens"], 0.0, 0, row["finish_reason"], salvaged)
         if todo:
             results = self.inner.generate([requests[i] for i in todo])
             now = datetime.now(timezone.utc).isoformat()
@@ -119,6 +124,7 @@ class LedgerBackend(BackendBase):
                     "backend": self.backend_name, "model": self.model_name, "prompt_version": self.tags.get("prompt_version"),
                     "created_at": now, "strategy": self.tags.get("strategy"), "fingerprint": fp,
                     "max_tokens": req.max_tokens, "finish_reason": res.finish_reason, "error": res.error,
+                    "salvaged": res.salvaged,
                     "raw_text": res.raw_text, "parsed": json.dumps(res.parsed) if res.parsed is not None else None,
                 }
                 rows.append(row)
@@ -127,19 +133,14 @@ class LedgerBackend(BackendBase):
                 out[i] = res
             self.sent += len(todo)
             self.log.append(rows)
+        tally = self.used[self.tags.get("strategy") or "?"]
+        for res in out:
+            tally["calls"] += 1
+            tally["errors"] += not res.ok
+            tally["salvaged"] += res.salvaged
+            tally["prompt_tokens"] += res.prompt_tokens
+            tally["completion_tokens"] += res.completion_tokens
         return out  # type: ignore[return-value]
 
     def close(self) -> None:
         self.inner.close()
-
-
-def generate_with_retry(llm, reqs: list[ChatRequest]) -> list[ChatResult]:
-    """One retry for unusable output (as the decomposer and the query stage do)."""
-    results = llm.generate(reqs) if reqs else []
-    bad = [i for i, r in enumerate(results) if not r.ok]
-    if bad:
-        for i, r in zip(bad, llm.generate([reqs[i] for i in bad])):
-            r.prompt_tokens += results[i].prompt_tokens
-            r.completion_tokens += results[i].completion_tokens
-            results[i] = r
-    return results

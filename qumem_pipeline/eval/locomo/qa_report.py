@@ -136,13 +136,18 @@ def render_html(report: dict, retrieval_report: dict | None = None) -> str:
     sk = report.get("skipped") or {}
     if sk:
         body.append("<h2>Skipped</h2><ul>" + "".join(f"<li><b>{_esc(k)}</b>: {_esc(v)}</li>" for k, v in sk.items()) + "</ul>")
-    calls = (report.get("llm_calls") or {}).get("ledger_by_strategy") or {}
-    if calls:
-        body.append("<h2>LLM calls (ledger)</h2><table><tr><th>strategy</th><th>calls</th><th>prompt tokens</th>"
-                    "<th>completion tokens</th><th>errors</th></tr>"
-                    + "".join(f"<tr><td>{_esc(s)}</td><td>{v['calls']}</td><td>{v['prompt_tokens']}</td>"
-                              f"<td>{v['completion_tokens']}</td><td>{v['errors']}</td></tr>" for s, v in calls.items())
-                    + "</table>")
+    calls = report.get("llm_calls") or {}
+    for key, title, cols in (
+            ("by_strategy_this_run", "LLM calls behind this run's answers (replayed or sent)",
+             ("calls", "errors", "salvaged", "prompt_tokens", "completion_tokens")),
+            ("ledger_by_strategy", "LLM calls (ledger, every run)", ("calls", "prompt_tokens", "completion_tokens", "errors"))):
+        rows = calls.get(key) or {}
+        if rows:
+            body.append(f"<h2>{_esc(title)}</h2><table><tr><th>strategy</th>"
+                        + "".join(f"<th>{c.replace('_', ' ')}</th>" for c in cols) + "</tr>"
+                        + "".join(f"<tr><td>{_esc(s)}</td>" + "".join(f"<td>{v.get(c, '')}</td>" for c in cols) + "</tr>"
+                                  for s, v in rows.items())
+                        + "</table>")
     style = ("body{font-family:sans-serif;max-width:780px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
              "td:first-child,th:first-child{text-align:left}svg{display:block;margin:1.5em 0}")

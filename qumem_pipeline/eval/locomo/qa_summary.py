@@ -89,6 +89,12 @@ def format_table(report: dict) -> str:
                      + f"{f(v['adversarial']['abstain']):>9}{v['n'] + v['adversarial']['n']:>5}"
                      + f"{(v['mean_context_words'] or 0):>10.0f}")
     lines.append(f"skipped: {json.dumps(report['skipped'])}")
-    lines.append(f"LLM calls: {json.dumps(report.get('llm_calls', {}).get('ledger_by_strategy', {}))}")
+    used = report.get("llm_calls", {}).get("by_strategy_this_run") or {}
+    if used:
+        lines.append("LLM calls behind this run's answers (replayed or sent):")
+        lines.append(f"  {'strategy':<14}{'calls':>7}{'errors':>8}{'salvaged':>10}{'prompt tok':>12}{'compl. tok':>12}")
+        for s, v in used.items():
+            lines.append(f"  {s:<14}{v['calls']:>7}{v['errors']:>8}{v['salvaged']:>10}{v['prompt_tokens']:>12}{v['completion_tokens']:>12}")
+    lines.append(f"LLM calls (ledger, every run): {json.dumps(report.get('llm_calls', {}).get('ledger_by_strategy', {}))}")
     lines.append(f"report: {report.get('html')}; checkpoint: {report.get('checkpoint')}; wall time {report.get('wall_s')}s")
     return "\n".join(lines)
