@@ -2,8 +2,8 @@
 
 Why: under a grammar that lets free whitespace into JSON, a string that hits its `maxLength` is
 closed for the model mid-sentence, and a model that still wants to write fills the only thing the
-grammar then allows, whitespace, until `max_tokens` (issue 18: 8 of 93 LoCoMo A1 calls of
-Qwen2.5-Coder-1.5B ended like that, each `"why"` cut at 100 characters). Everything before the run
+grammar then allows, whitespace, until `max_tokens` (issue 18: Qwen2.5-Coder-1.5B's A1 calls on
+LoCoMo, a `"why"` closed by its `maxLength`). Everything before the run
 is finished JSON; greedy decoding would write the same run again on a retry. So the prefix is closed
 (open strings left alone: a cut inside a string is not salvaged) and kept when it parses and validates
 against the request's schema.

@@ -51,6 +51,7 @@ from pathlib import Path
 from qumem_pipeline.contracts.versions import CODE_VERSION
 from qumem_pipeline.eval.locomo.qa_metrics import score_answer
 from qumem_pipeline.llm.base import ChatRequest
+from qumem_pipeline.llm.retry import generate_with_retry
 # Re-exported: tests, the harness and benches import these from here.
 from qumem_pipeline.eval.locomo.qa_contexts import (  # noqa: F401
     ConversationContext,
@@ -64,7 +65,6 @@ from qumem_pipeline.eval.locomo.qa_contexts import (  # noqa: F401
     sample_questions,
 )
 from qumem_pipeline.eval.locomo.qa_ledger import JsonlLog, LedgerBackend, request_fingerprint  # noqa: F401
-from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.eval.locomo.qa_prompt import (  # noqa: F401
     ABSTAIN_ANSWER,
     ANSWER_INSTRUCTION,
