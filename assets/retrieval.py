@@ -3,11 +3,13 @@ import time
 import dagster as dg
 import polars as pl
 
+from assets.ingest import turns
 from assets.memories import memories
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from qumem_pipeline.index import vector_store as vector_index
 from qumem_pipeline.index.embeddings import embed_memories
+from qumem_pipeline.index.memory_keys import source_texts
 from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
 from resources.models import EmbedderResource
@@ -16,13 +18,14 @@ from resources.models import EmbedderResource
 @dg.asset(
     partitions_def=users_partitions,
     backfill_policy=user_backfill_policy,
-    deps=[memories],
+    deps=[memories, turns],
     pool="gpu",
     code_version=code_version("memory_embeddings"),  # source + embedder + upstream
     group_name="retrieval",
     kinds={"pytorch", "parquet"},
-    description="Memory embeddings (all-MiniLM-L6-v2, normalised float32); unchanged memories are reused, "
-    "so a new embedding model re-embeds without re-running the LLM.",
+    description="Memory index keys (all-MiniLM-L6-v2, normalised float32): each memory's content plus its "
+    "source turns (qumem_pipeline.index.memory_keys). Made from the memories and turns tables alone, so a new "
+    "embedding model or key rule re-embeds without re-running the LLM.",
 )
 def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfig, embedder: EmbedderResource) -> dg.MaterializeResult:
     users = run_user_ids(context)
@@ -34,12 +37,15 @@ def memory_embeddings(context: dg.AssetExecutionContext, pipeline: PipelineConfi
         raise dg.Failure(f"no memories for user {missing[0]} ({len(missing)} users): materialize `memories` first")
     mems = pl.concat([by_user[u] for u in users])
     previous = layout.read_table("memory_embeddings", users)
-    emb = embed_memories(mems, embedder.model, previous=previous, batch_size=embedder.batch_size,
+    turns_by_user = layout.read_users("turns", users)
+    sources = source_texts(mems, pl.concat(list(turns_by_user.values()), how="diagonal_relaxed")) if turns_by_user else {}
+    emb = embed_memories(mems, embedder.model, sources=sources, previous=previous, batch_size=embedder.batch_size,
                          progress=ProgressLogger(context.log, "memories embedded"))
     emb = emb.with_columns(code_version=pl.lit(code_version("memory_embeddings"), pl.String))
     layout.replace_users("memory_embeddings", users, emb)
     return dg.MaterializeResult(metadata={
-        "users": len(users), "dagster/row_count": emb.height, "embedding_model": embedder.model.version,
+        "users": len(users), "dagster/row_count": emb.height,
+        "embedding_model": emb["embedding_model"][0] if emb.height else embedder.model.version,
         "device": str(embedder.model.device), "seconds": round(time.perf_counter() - t0, 3),
         **version_metadata("memory_embeddings"),
     })

@@ -213,6 +213,9 @@ def test_no_output_of_one_user_references_another(pipeline_run):
     """Isolation on the real embedded path (SmolLM2 memories, MiniLM embeddings, FAISS, query states)."""
     root = pipeline_run["data_root"]
     users = ("alice", "bob", "chen")
+    from qumem_pipeline.index.embeddings import model_version
+    from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT, keyed_version
+
     read = DataLayout(root).read_user_table
     mem_ids = {}
     for u in users:
@@ -224,6 +227,8 @@ def test_no_output_of_one_user_references_another(pipeline_run):
         assert all(set(ev) <= turn_ids for ev in mems["evidence_turn_ids"].to_list())
         emb = read("memory_embeddings", u)
         assert emb is not None and set(emb["memory_id"]) == mem_ids[u], u  # every memory embedded, nothing else
+        # keyed by text and source turns (index.memory_keys), and saying so
+        assert emb.height == 0 or set(emb["embedding_model"]) == {keyed_version(model_version(), SOURCE_WEIGHT)}, u
         ids = read("index_ids", u)
         assert ids is not None and set(ids["memory_id"]) == mem_ids[u], u
         qs = read("query_states", u)

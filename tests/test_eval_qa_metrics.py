@@ -67,3 +67,28 @@ def test_score_answer_per_category_rules():
     assert score_answer("Rex", "Rex", 5) == {"abstain": 0.0}
     assert score_answer(None, "Rex", 4) == {"f1": 0.0, "bleu1": 0.0}
     assert score_answer(None, "Rex", 5) == {"abstain": 0.0}
+
+
+def test_paired_difference_by_hand():
+    from qumem_pipeline.eval.locomo.qa_summary import paired_difference
+
+    same = paired_difference([0.5, 1.0, 0.75], [0.0, 0.5, 0.25])  # every gap is 0.5: no spread to sample
+    assert same == {"n": 3, "delta": 0.5, "ci95": [0.5, 0.5]}
+    mixed = paired_difference([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0])  # gaps 1, -1, 0, 0
+    assert mixed["delta"] == 0.0 and mixed["ci95"][0] < 0 < mixed["ci95"][1]
+    assert paired_difference([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]) == mixed  # seeded
+    assert paired_difference([], []) == {"n": 0, "delta": None, "ci95": None}
+
+
+def test_paired_against_uses_only_questions_both_answered():
+    from qumem_pipeline.eval.locomo.qa_contexts import QAQuestion
+    from qumem_pipeline.eval.locomo.qa_summary import paired_against
+
+    qs = [QAQuestion(f"c#{i}", "c", cat, "q", "a") for i, cat in enumerate([1, 2, 4, 5])]
+    done = {("topk_turns", "c#0"): {"f1": 0.5}, ("topk_turns", "c#1"): {"f1": 0.0}, ("topk_turns", "c#2"): {"f1": 1.0},
+            ("topk_turns", "c#3"): {"f1": 0.0},
+            ("qumem", "c#0"): {"f1": 1.0}, ("qumem", "c#1"): {"f1": 0.5}, ("qumem", "c#3"): {"f1": 1.0}}
+    got = paired_against(qs, ["topk_turns", "qumem"], done)
+    # c#2 unanswered by qumem and c#3 (category 5) are left out: gaps 0.5 and 0.5
+    assert got == {"qumem": {"n": 2, "delta": 0.5, "ci95": [0.5, 0.5]}}
+    assert paired_against(qs, ["qumem"], done) == {}

@@ -49,7 +49,7 @@ STAGE_UPSTREAM: dict[str, tuple[str, ...]] = {
     "turns": (),
     "episodes": ("turns",),
     "memories": ("episodes",),
-    "memory_embeddings": ("memories",),
+    "memory_embeddings": ("memories", "turns"),
     "memory_indexes": ("memory_embeddings",),
     "persona_profiles": ("memories", "memory_embeddings"),
     "memory_graph": ("turns", "episodes", "memories", "persona_profiles"),

@@ -14,15 +14,18 @@ Public API (used by the embeddings asset)::
     emb = Embedder.load()                       # device=None: CUDA when available, else CPU
     vecs = emb.encode(texts)                    # float32 (n, 384), unit-norm rows, input order
     df = embed_memories(memories_df, emb)       # memory_id, user_id, type, position, embedding, embedding_model
+    df = embed_memories(memories_df, emb, sources=source_texts(memories_df, turns_df))  # keyed by content + source turns
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
+
+from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT, key_vectors, keyed_version
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 DIM = 384
@@ -142,25 +145,34 @@ def embed_memories(
     memories: pl.DataFrame,
     embedder: Embedder,
     *,
+    sources: Mapping[str, Sequence[str]] | None = None,
+    source_weight: float | None = None,
     previous: pl.DataFrame | None = None,
     batch_size: int = 128,
     progress: ProgressFn | None = None,
 ) -> pl.DataFrame:
-    """Embed memory contents (all users in the frame, one encode call).
+    """Embed memories (all users in the frame, one encode call).
 
-    ``previous``: an earlier embeddings table; rows whose memory_id and embedding_model match are
-    reused instead of re-encoded (memory ids hash the content, so a same id means same text).
-    Output rows follow the input's order.
+    ``sources`` (memory_id -> its evidence turns' texts, ``memory_keys.source_texts``): each memory
+    is keyed by its content and its source turns (``memory_keys``, weight ``source_weight``, default
+    ``SOURCE_WEIGHT``); without it, by its content alone. ``embedding_model`` names which.
+    ``previous``: an earlier embeddings table; content-only rows whose memory_id and embedding_model
+    match are reused instead of re-encoded (memory ids hash the content, so a same id means same
+    text). Keyed rows are always encoded again: a key also depends on turn texts, which neither the
+    memory id nor the table records (an episode id names a turn span, not its text), and MiniLM is
+    cheap next to the LLM calls that made the memories. Output rows follow the input's order.
     """
     schema = embedding_schema(embedder.dim)
     if memories.height == 0:
         return pl.DataFrame(schema=schema)
+    weight = (SOURCE_WEIGHT if source_weight is None else float(source_weight)) if sources is not None else 0.0
+    version = keyed_version(embedder.version, weight)
     mids = memories["memory_id"].to_list()
     contents = memories["content"].to_list()
     vecs = np.zeros((len(mids), embedder.dim), dtype=np.float32)
     todo = list(range(len(mids)))
-    if previous is not None and previous.height and "embedding" in previous.columns:
-        prev = previous.filter(pl.col("embedding_model") == embedder.version)
+    if not weight and previous is not None and previous.height and "embedding" in previous.columns:
+        prev = previous.filter(pl.col("embedding_model") == version)
         if prev.height:
             pos = {m: i for i, m in enumerate(prev["memory_id"].to_list())}
             pvecs = np.asarray(prev["embedding"].to_numpy(), dtype=np.float32).reshape(prev.height, -1)
@@ -173,7 +185,9 @@ def embed_memories(
                     else:
                         vecs[i] = pvecs[j]
     if todo:
-        vecs[todo] = embedder.encode([contents[i] for i in todo], batch_size=batch_size, progress=progress)
+        srcs = [list((sources or {}).get(mids[i], ())) for i in todo]
+        vecs[todo] = key_vectors([contents[i] for i in todo], srcs, embedder, weight, batch_size=batch_size,
+                                 progress=progress)
     return pl.DataFrame(
         {
             "memory_id": memories["memory_id"].cast(pl.String),
@@ -181,7 +195,7 @@ def embed_memories(
             "type": memories["type"].cast(pl.String),
             "position": memories["position"].cast(pl.Int64),
             "embedding": pl.Series("embedding", vecs, dtype=pl.Array(pl.Float32, embedder.dim)),
-            "embedding_model": pl.Series("embedding_model", [embedder.version] * len(mids), dtype=pl.String),
+            "embedding_model": pl.Series("embedding_model", [version] * len(mids), dtype=pl.String),
         },
         schema=schema,
     )

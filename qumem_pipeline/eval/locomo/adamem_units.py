@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
+from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT, keys_for
 from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, UserBundle
 from qumem_pipeline.query.strategies.adamem.route import plan_route
 from qumem_pipeline.query.strategies.registry import STRATEGY_NAMES as EVAL_STRATEGIES
@@ -58,11 +59,12 @@ def session_episodes(turns: pl.DataFrame) -> pl.DataFrame:
 
 def strategy_rankings(conv, questions: Sequence[str], qvecs: np.ndarray, strategies: Sequence[str], embedder,
                       memories: pl.DataFrame | None, episodes: pl.DataFrame | None, make_unit, *, llm=None,
-                      qumem_stats: dict | None = None) -> dict[str, list[list]]:
+                      qumem_stats: dict | None = None, source_weight: float = SOURCE_WEIGHT) -> dict[str, list[list]]:
     """strategy -> per question, ranked units (``make_unit(dia_ids, text)`` builds one).
 
     ``qumem`` runs only with an ``llm`` and memories for this conversation (else it is absent from
-    the result); its planning cost and repairs go to ``qumem_stats`` when given.
+    the result); its planning cost and repairs go to ``qumem_stats`` when given. Memories are keyed
+    by their text and source turns (``index.memory_keys``, ``source_weight``) for ``topk`` and ``qumem``.
     """
     as_of = int(conv.turns["turn_index"].max())
     lines = conv.lines()
@@ -76,7 +78,9 @@ def strategy_rankings(conv, questions: Sequence[str], qvecs: np.ndarray, strateg
     out: dict[str, list[list]] = {}
     run_qumem = "qumem" in strategies and llm is not None and mems is not None
     if mems is not None and ("topk" in strategies or run_qumem):
-        mv = embedder.encode(mems["content"].to_list())
+        sources = {m: [lines[row_of[t]][2] for t in ev if t in row_of]
+                   for m, ev in zip(mems["memory_id"].to_list(), mems["evidence_turn_ids"].to_list())}
+        mv = keys_for(mems, sources, embedder, source_weight)
         munits = [make_unit([dia_of[t] for t in ev], c) for c, ev in zip(mems["content"].to_list(), mems["evidence_turn_ids"].to_list())]
         order = np.argsort(-(qvecs @ mv.T), axis=1, kind="stable")
     if "topk" in strategies:
@@ -85,7 +89,8 @@ def strategy_rankings(conv, questions: Sequence[str], qvecs: np.ndarray, strateg
         else:
             out["topk"] = [[turn_units[j] for j in row] for row in dense_turns]
     if run_qumem:
-        out["qumem"] = _qumem_ranked(conv, questions, mems, munits, order, embedder, llm, as_of, qumem_stats)
+        out["qumem"] = _qumem_ranked(conv, questions, mems, munits, order, embedder, llm, as_of, qumem_stats,
+                                     sources, source_weight)
     if "adamem" in strategies:
         empty = pl.DataFrame(schema={"memory_id": pl.String, "user_id": pl.String, "type": pl.String, "content": pl.String,
                                      "episode_id": pl.String, "evidence_turn_ids": pl.List(pl.Int64), "position": pl.Int64,
@@ -109,11 +114,13 @@ def strategy_rankings(conv, questions: Sequence[str], qvecs: np.ndarray, strateg
     return out
 
 
-def _qumem_ranked(conv, questions, mems, munits, topk_order, embedder, llm, as_of, qumem_stats) -> list[list]:
+def _qumem_ranked(conv, questions, mems, munits, topk_order, embedder, llm, as_of, qumem_stats, sources,
+                  source_weight) -> list[list]:
     """Planned retrieval first, then the other memories in topk order (the equal-budget backfill)."""
     from qumem_pipeline.eval.locomo.qumem_units import qumem_planned_retrieval
 
-    res = qumem_planned_retrieval(conv.sample_id, conv.user_id, questions, mems, embedder, llm, as_of)
+    res = qumem_planned_retrieval(conv.sample_id, conv.user_id, questions, mems, embedder, llm, as_of,
+                                  sources=sources, source_weight=source_weight)
     mids = mems["memory_id"].to_list()
     first_row = {}
     for j, m in enumerate(mids):

@@ -131,6 +131,7 @@ from qumem_pipeline.eval.locomo.units import (  # noqa: F401
     window_units,
     word_count,
 )
+from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT
 
 _rank_and_score = recall_by_scores  # the old private name
 _make_backend = make_backend
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-cover-fraction", type=float, default=MIN_COVER_FRACTION,
                     help="share of a budget-crossing turn/memory that must fit for it to count (>1: never)")
     ap.add_argument("--no-speaker-prefix", action="store_true", help="embed/count turns without '<speaker>: '")
+    ap.add_argument("--memory-source-weight", type=float, default=SOURCE_WEIGHT,
+                    help="key memories by their text plus W x their source turns' mean vector, as the product's "
+                         f"index does (default {SOURCE_WEIGHT:g}; 0: by their text alone)")
     ap.add_argument("--strategies", default="", help="comma list of query strategies to compare side by side "
                     "(qumem,adamem,topk); qumem needs an LLM (--llm-kind or --decompose) and memories "
                     "(--memories or --decompose), else it is skipped with the reason")
@@ -191,6 +195,7 @@ def run_options(args: argparse.Namespace) -> dict:
         batch_size=args.batch_size,
         min_cover_fraction=args.min_cover_fraction,
         speaker_prefix=not args.no_speaker_prefix,
+        memory_source_weight=args.memory_source_weight,
         strategies=_csv(args.strategies),
     )
 

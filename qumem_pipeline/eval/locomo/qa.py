@@ -50,6 +50,7 @@ from pathlib import Path
 
 from qumem_pipeline.contracts.versions import CODE_VERSION
 from qumem_pipeline.eval.locomo.qa_metrics import score_answer
+from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT
 from qumem_pipeline.llm.base import ChatRequest
 from qumem_pipeline.llm.retry import generate_with_retry
 # Re-exported: tests, the harness and benches import these from here.
@@ -328,6 +329,9 @@ def run_qa(
         "sample_per_category": sample_per_category, "words_budget": words,
         "model": llm_holder[0].model_name if llm_holder else (next(iter(done.values()))["model"] if done else None),
         "answer_prompt_version": ANSWER_PROMPT_VERSION, "memories": str(memories) if memories is not None else None,
+        "memory_keys": {"source_weight": SOURCE_WEIGHT,
+                        "rule": "topk_memories and qumem rank memories by normalize(text + w * normalize(mean of "
+                                "source turns)); adamem by their text"},
         "checkpoint": str(paths["checkpoint"]), "ledger": str(paths["ledger"]), "html": str(paths["html"]),
         "llm_calls": {"sent_this_run": llm_holder[0].sent if llm_holder else 0,
                       "replayed_this_run": llm_holder[0].replayed if llm_holder else 0,
@@ -354,6 +358,10 @@ def strategy_version(strategy: str) -> str:
         from qumem_pipeline.contracts.stage_versions import stage_version
 
         return stage_version("query_states")
+    if strategy == "topk_memories":  # ranked by the memories' index keys (text and source turns)
+        from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT, keyed_version
+
+        return "context-built-by-the-eval; memory keys " + keyed_version("", SOURCE_WEIGHT)
     return "context-built-by-the-eval"
 
 

@@ -131,9 +131,18 @@ class ConversationContext:
             self._turn_vecs = self.emb.encode(self.lines)
         return self._turn_vecs
 
+    def memory_sources(self) -> dict[str, list[str]]:
+        """memory_id -> its evidence turns as shown ("Name: text"): what the product keys a memory by, besides its text."""
+        line_of = dict(zip(self.turn_index, self.lines))
+        return {m: [line_of[t] for t in ev if t in line_of]
+                for m, ev in zip(self.memories["memory_id"].to_list(), self.memories["evidence_turn_ids"].to_list())}
+
     def mem_vecs(self) -> np.ndarray:
+        """Memory keys as the product's index builds them (``index.memory_keys``: text and source turns)."""
         if self._mem_vecs is None:
-            self._mem_vecs = self.emb.encode(self.memories["content"].to_list())
+            from qumem_pipeline.index.memory_keys import keys_for
+
+            self._mem_vecs = keys_for(self.memories, self.memory_sources(), self.emb)
         return self._mem_vecs
 
     @staticmethod
@@ -187,7 +196,8 @@ class ConversationContext:
         if self._qumem is None:
             mems = self.memories.with_columns(
                 pl.Series("type", [normalize_type(t) for t in self.memories["type"].to_list()], dtype=pl.String))
-            store = VectorStore.in_memory([build_user_indexes(embed_memories(mems, self.emb), self.conv.user_id)])
+            store = VectorStore.in_memory([build_user_indexes(
+                embed_memories(mems, self.emb, sources=self.memory_sources()), self.conv.user_id)])
             self._qumem = TypedMemoryRetriever(store, self.emb, mems)
         out = infer_user_states(self.queries(questions), llm, self._qumem, strategy="qumem", k=QUMEM_K)
         return _state_rows(out.states, questions)

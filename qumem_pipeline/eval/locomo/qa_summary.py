@@ -26,6 +26,39 @@ def _mean(xs) -> float | None:
     return round(float(np.mean(xs)), 4) if xs else None
 
 
+PAIRED_BASELINE = "topk_turns"
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
+                      seed: int = 0) -> dict:
+    """Mean of a - b over the same questions, with a seeded 95 % percentile bootstrap interval.
+
+    Why: a few dozen questions per run make F1 gaps of a few hundredths noise; the interval says
+    whether a gap is one (it straddles 0) before anyone reads a ranking into it."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    if d.size == 0:
+        return {"n": 0, "delta": None, "ci95": None}
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return {"n": int(d.size), "delta": round(float(d.mean()), 4), "ci95": [round(float(lo), 4), round(float(hi), 4)]}
+
+
+def paired_against(selected: Sequence[QAQuestion], run: Sequence[str], done: dict,
+                   baseline: str = PAIRED_BASELINE) -> dict:
+    """strategy -> its F1 minus ``baseline``'s on the category 1-4 questions both answered."""
+    if baseline not in run:
+        return {}
+    out = {}
+    for s in run:
+        if s == baseline:
+            continue
+        keys = [q.key for q in selected if q.category in HEADLINE and (s, q.key) in done and (baseline, q.key) in done]
+        out[s] = paired_difference([done[(s, k)]["f1"] for k in keys], [done[(baseline, k)]["f1"] for k in keys])
+    return out
+
+
 def build_report(selected: Sequence[QAQuestion], run: Sequence[str], done: dict, skipped: dict,
                  requested: Sequence[str]) -> dict:
     """``qa.<strategy>``: f1 / bleu1 over categories 1-4, per category, and category 5 apart."""
@@ -68,6 +101,7 @@ def build_report(selected: Sequence[QAQuestion], run: Sequence[str], done: dict,
         "scoring": ("token F1 and BLEU-1 over categories 1-4 (LoCoMo normalisation and per-category F1 rule, "
                     "see qa_metrics); category 5: share of answers that abstain (LoCoMo's rule)"),
         "skipped": skipped,
+        "f1_vs_topk_turns": paired_against(selected, run, done),
     }
 
 
@@ -88,6 +122,14 @@ def format_table(report: dict) -> str:
                      + "".join(f"{f(pc.get(c, {}).get('f1')):>8}" for c in cats)
                      + f"{f(v['adversarial']['abstain']):>9}{v['n'] + v['adversarial']['n']:>5}"
                      + f"{(v['mean_context_words'] or 0):>10.0f}")
+    paired = report.get("f1_vs_topk_turns") or {}
+    if paired:
+        lines.append(f"F1 minus {PAIRED_BASELINE}'s on the same questions (95 % bootstrap interval, "
+                     f"{BOOTSTRAP_RESAMPLES} resamples, seed 0):")
+        for s, v in paired.items():
+            ci = v["ci95"]
+            lines.append(f"  {s:<14}{f(v['delta']):>7}  [{f(ci[0]) if ci else 'n/a'}, {f(ci[1]) if ci else 'n/a'}]"
+                         f"  n={v['n']}")
     lines.append(f"skipped: {json.dumps(report['skipped'])}")
     used = report.get("llm_calls", {}).get("by_strategy_this_run") or {}
     if used:

@@ -9,7 +9,7 @@ conversation; its merged, de-duplicated candidates (best score first) are the st
 A3 is not run: the harness measures retrieval only.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import polars as pl
@@ -33,12 +33,17 @@ class QumemPlanning:
 
 
 def qumem_planned_retrieval(conv_id: str, user_id: str, questions: Sequence[str], memories: pl.DataFrame,
-                            embedder, llm, as_of: int, k: int = DEFAULT_K) -> QumemPlanning:
-    """Plan (A1/A2, one batch each) and retrieve for every question of one conversation."""
+                            embedder, llm, as_of: int, k: int = DEFAULT_K, *,
+                            sources: Mapping[str, Sequence[str]] | None = None,
+                            source_weight: float | None = None) -> QumemPlanning:
+    """Plan (A1/A2, one batch each) and retrieve for every question of one conversation.
+
+    ``sources`` (memory_id -> source turn texts): memories keyed as the product keys them."""
     mems = memories.unique("memory_id", keep="first", maintain_order=True)
     mems = mems.with_columns(pl.Series("type", [normalize_type(t) for t in mems["type"].to_list()], dtype=pl.String),
                              pl.lit(user_id).alias("user_id"))  # all re-indexed onto the primary user's turns
-    store = VectorStore.in_memory([build_user_indexes(embed_memories(mems, embedder), user_id)])
+    store = VectorStore.in_memory([build_user_indexes(
+        embed_memories(mems, embedder, sources=sources, source_weight=source_weight), user_id)])
     retriever = TypedMemoryRetriever(store, embedder, mems)
     queries = [Query(f"{conv_id}/q{i}", user_id, q, as_of) for i, q in enumerate(questions)]
     _, plans, repaired, tokens = plan_retrieval(queries, llm)

@@ -53,18 +53,30 @@ def rank_order(scores_row: np.ndarray) -> np.ndarray:
 
 
 def embed_units(units: list[EvalUnit], embedder, batch_size: int, turn_vecs: np.ndarray | None = None,
-                single_turns: bool = False) -> np.ndarray:
-    """Unit vectors; single-turn units reuse the conversation's turn vectors when already computed."""
+                single_turns: bool = False, source_weight: float = 0.0) -> np.ndarray:
+    """Unit vectors; single-turn units reuse the conversation's turn vectors when already computed.
+
+    ``source_weight``: memories are keyed as the product's index keys them (``index.memory_keys``):
+    their text plus that weight times their source turns' mean vector (``source_rows`` of ``turn_vecs``)."""
     if single_turns and turn_vecs is not None:
         return turn_vecs
-    return embedder.encode([u.text for u in units], batch_size=batch_size)
+    vecs = embedder.encode([u.text for u in units], batch_size=batch_size)
+    if source_weight and any(u.source_rows for u in units):
+        from qumem_pipeline.index.memory_keys import combine
+
+        if turn_vecs is None:
+            raise ValueError("keying memories by their source turns needs the turn vectors")
+        vecs = combine(vecs, [turn_vecs[list(u.source_rows)] if u.source_rows else None for u in units], source_weight)
+    return vecs
 
 
 def strategy_ranked_units(conv: Conversation, questions: Sequence[str], q_vecs: np.ndarray,
                           strategies: Sequence[str], embedder, memories, episodes, *, llm=None,
-                          qumem_stats: dict | None = None) -> dict[str, list[list[EvalUnit]]]:
+                          qumem_stats: dict | None = None, source_weight: float | None = None) -> dict[str, list[list[EvalUnit]]]:
     """strategy -> per question, its ranked units (each hit one ``text_unit``); see ``adamem_units``."""
     from qumem_pipeline.eval.locomo.adamem_units import strategy_rankings
+    from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT
 
     return strategy_rankings(conv, questions, q_vecs, strategies, embedder, memories, episodes, text_unit,
-                             llm=llm, qumem_stats=qumem_stats)
+                             llm=llm, qumem_stats=qumem_stats,
+                             source_weight=SOURCE_WEIGHT if source_weight is None else source_weight)

@@ -247,6 +247,9 @@ def _notes(lines: list[str], report: dict) -> None:
     if qp:
         lines.append(f"qumem planning ({qp['model']}): A1+A2 prompt tokens {qp['prompt_tokens']}, completion tokens "
                      f"{qp['completion_tokens']}, plans repaired {qp['plans_repaired']}; backfill: {qp['backfill']}")
+    mk = report.get("memory_keys")
+    if mk:
+        lines.append(f"memory keys: {mk['rule']} (w = {mk['source_weight']:g})")
     sk = {k: v for k, v in report["skipped"].items() if k != "qa_loader"}
     lines.append("")
     lines.append(f"skipped: {json.dumps(sk)}")

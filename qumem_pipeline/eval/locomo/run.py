@@ -23,6 +23,7 @@ from qumem_pipeline.eval.locomo.score import BUDGETS, MIN_COVER_FRACTION, QAItem
 from qumem_pipeline.eval.locomo.sources import UnitSources, gather_sources
 from qumem_pipeline.eval.locomo.units import UNIT_KINDS, WINDOW_SIZES, Conversation, EvalUnit, UnitBuilder, \
     memory_stats, unit_builders
+from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT
 
 
 def check_options(units: Sequence[str], strategies: Sequence[str], unit_scoring: str, decompose: bool,
@@ -57,9 +58,9 @@ def count_units(stats: dict, units: list[EvalUnit], conv: Conversation, embedder
 def evaluate_conversation(conv: Conversation, items: list[QAItem], q_vecs: np.ndarray,
                           kinds: list[tuple[str, UnitBuilder]], embedder, tally: Tally, *,
                           budgets: Sequence[int] = BUDGETS, min_cover_fraction: float = MIN_COVER_FRACTION,
-                          batch_size: int = 64) -> None:
+                          batch_size: int = 64, memory_source_weight: float = SOURCE_WEIGHT) -> None:
     """Build every unit kind of one conversation, rank it for each question under each scoring, score it."""
-    need_turn_vecs = any(k not in ("turns", "memories") for k, _ in kinds)
+    need_turn_vecs = any(k != "turns" and (k != "memories" or memory_source_weight) for k, _ in kinds)
     turn_vecs = embedder.encode([l[2] for l in conv.lines()], batch_size=batch_size) if need_turn_vecs else None
     for key, build in kinds:
         us = build(conv)
@@ -70,7 +71,8 @@ def evaluate_conversation(conv: Conversation, items: list[QAItem], q_vecs: np.nd
             tally.mem_stats[conv.sample_id] = memory_stats(us, conv.lines(), budgets)
         st = tally.unit_stats[key]
         te = time.perf_counter()
-        uv = embed_units(us, embedder, batch_size, turn_vecs, single_turns=key == "turns")
+        uv = embed_units(us, embedder, batch_size, turn_vecs, single_turns=key == "turns",
+                         source_weight=memory_source_weight if key == "memories" else 0.0)
         st["seconds_embedding"] += time.perf_counter() - te
         count_units(st, us, conv, embedder)
         for sc in scorings_for(key):
@@ -80,24 +82,28 @@ def evaluate_conversation(conv: Conversation, items: list[QAItem], q_vecs: np.nd
 
 def evaluate_strategies(conv: Conversation, items: list[QAItem], q_vecs: np.ndarray, sources: UnitSources,
                         embedder, tally: Tally, *, budgets: Sequence[int] = BUDGETS,
-                        min_cover_fraction: float = MIN_COVER_FRACTION) -> None:
+                        min_cover_fraction: float = MIN_COVER_FRACTION,
+                        memory_source_weight: float = SOURCE_WEIGHT) -> None:
     """Each runnable query strategy's ranking of one conversation for its questions, scored at the budgets."""
     te = time.perf_counter()
     eps = sources.episodes_by_user.get(conv.user_id) if sources.episodes_by_user else None
     ranked = strategy_ranked_units(conv, [it.question for it in items], q_vecs, sources.run_strategies, embedder,
-                                   sources.memories, eps, llm=sources.strategy_llm, qumem_stats=tally.qumem_stats)
+                                   sources.memories, eps, llm=sources.strategy_llm, qumem_stats=tally.qumem_stats,
+                                   source_weight=memory_source_weight)
     for name, lists in ranked.items():
         tally.add_ranked(f"strategy_{name}", lists, items, budgets, min_cover_fraction)
     tally.unit_stats["strategies"]["seconds_embedding"] += time.perf_counter() - te
 
 
 def _evaluate_one(conv, items, qv, kinds, sources: UnitSources, emb, tally: Tally, budgets, min_cover_fraction,
-                  batch_size) -> None:
+                  batch_size, memory_source_weight: float = SOURCE_WEIGHT) -> None:
     """Units, then strategies, of one conversation with QA items."""
     evaluate_conversation(conv, items, qv, kinds, emb, tally, budgets=budgets,
-                          min_cover_fraction=min_cover_fraction, batch_size=batch_size)
+                          min_cover_fraction=min_cover_fraction, batch_size=batch_size,
+                          memory_source_weight=memory_source_weight)
     if sources.run_strategies:
-        evaluate_strategies(conv, items, qv, sources, emb, tally, budgets=budgets, min_cover_fraction=min_cover_fraction)
+        evaluate_strategies(conv, items, qv, sources, emb, tally, budgets=budgets, min_cover_fraction=min_cover_fraction,
+                            memory_source_weight=memory_source_weight)
 
 
 def _stderr(msg: str) -> None:
@@ -127,6 +133,7 @@ def run_eval(
     min_cover_fraction: float = MIN_COVER_FRACTION,
     speaker_prefix: bool = True,
     strategies: Sequence[str] = (),
+    memory_source_weight: float = SOURCE_WEIGHT,
     log=None,
 ) -> dict:
     """The full report (a JSON-serialisable dict). See ``qumem_pipeline.eval.locomo.harness``."""
@@ -158,7 +165,8 @@ def run_eval(
         qv = q_all[offset : offset + len(items)]
         offset += len(items)
         if items:
-            _evaluate_one(conv, items, qv, kinds, sources, emb, tally, budgets, min_cover_fraction, batch_size)
+            _evaluate_one(conv, items, qv, kinds, sources, emb, tally, budgets, min_cover_fraction, batch_size,
+                          memory_source_weight)
             log(f"[locomo] {conv.sample_id}: {len(items)} items, {len(kinds)} unit kinds done "
                 f"({time.perf_counter() - t0:.0f}s)")
     settings = RunSettings(str(path), budgets, units, window_sizes, unit_scoring, strategies,
@@ -166,5 +174,8 @@ def run_eval(
     report = build_report(tally, settings, convs, items_by_conv, sources, skipped, slice_info=data.slice_info,
                           load_info=data.load_info, embedding_model=emb.version,
                           max_seq=getattr(emb, "max_seq_length", None))
+    report["memory_keys"] = {"source_weight": memory_source_weight,
+                             "rule": "memories ranked by normalize(text + w * normalize(mean of source turns))"
+                             if memory_source_weight else "memories ranked by their text alone"}
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     return report

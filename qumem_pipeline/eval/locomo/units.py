@@ -30,6 +30,7 @@ class EvalUnit:
     text: str
     pieces: list[tuple[frozenset, int]]  # (dia_ids covered, words), in text order
     turn_rows: tuple[int, ...] = ()  # rows of Conversation.lines() it holds (empty for memories)
+    source_rows: tuple[int, ...] = ()  # a memory's evidence turns (rows of Conversation.lines()), for its index key
 
     @property
     def words(self) -> int:
@@ -126,12 +127,13 @@ def matched_window_units(conv: Conversation, episodes: pl.DataFrame | None) -> l
 def memory_units(conv: Conversation, memories: pl.DataFrame) -> list[EvalUnit]:
     """Memories of the conversation's users; evidence turn ids mapped to dia_ids via each user's turns."""
     out = []
+    row_of = {l[0]: i for i, l in enumerate(conv.lines())}
     rows = memories.filter(pl.col("user_id").is_in(conv.user_ids))
     for uid, content, ev in zip(rows["user_id"].to_list(), rows["content"].to_list(), rows["evidence_turn_ids"].to_list()):
         m = conv.dia_by_user_turn.get(uid, {})
         dias = frozenset(m[t] for t in (ev or []) if t in m)
         text = content or ""
-        out.append(EvalUnit(text, [(dias, word_count(text))]))
+        out.append(EvalUnit(text, [(dias, word_count(text))], source_rows=tuple(sorted(row_of[d] for d in dias if d in row_of))))
     return out
 
 
