@@ -35,10 +35,11 @@ class ScriptedLLM:
 
 class ListRetriever:
     def __init__(self, memories):
-        self.memories, self.calls = memories, []
+        self.memories, self.calls, self.ks = memories, [], []
 
     def retrieve(self, requests, k):
         self.calls.append(requests)
+        self.ks.append(k)
         return [[m for m in self.memories[u] if m.position <= as_of][:k] for u, plan, as_of in requests]
 
 
@@ -81,7 +82,10 @@ def test_stages_batched_across_queries_and_citations_resolved():
     ret = ListRetriever(MEMS)
     out = infer_user_states(qs, llm, ret, k=5)
     assert llm.batches == [["a1", "a1"], ["a2", "a2"], ["a3", "a3"]], "one LLM batch per stage over all queries"
-    assert len(ret.calls) == 1 and len(ret.calls[0]) == 2, "one retrieval call for all queries"
+    # one retrieval call for all queries' plans, one for the queries themselves, twice as deep (ANCHOR_DEPTH)
+    assert [len(c) for c in ret.calls] == [2, 2] and ret.ks == [5, 10]
+    assert [plan for _, plan, _ in ret.calls[1]] == [[("Where should I eat?", ["fact", "preference", "insight"])],
+                                                    [("Dinner idea?", ["fact", "preference", "insight"])]]
     rows = {r["query_id"]: r for r in out.states.iter_rows(named=True)}
     assert rows["q1"]["cited_memory_ids"] == ["m-veg", "m-vegan"] and rows["q1"]["dropped_citations"] == 1
     assert rows["q1"]["cited_turn_ids"] == [2, 3, 40]
@@ -102,6 +106,15 @@ def test_query_anchor_is_added_once():
     repaired = [("dinner?", every)]  # a plan repaired to the query itself already holds it
     assert with_query_anchor(repaired, "Dinner?") == repaired
     assert with_query_anchor([("Dinner?", ["fact"])], "Dinner?") == [("Dinner?", ["fact"]), ("Dinner?", every)]
+
+
+def test_merged_candidates_keep_one_row_per_memory_with_its_best_score():
+    from qumem_pipeline.query.strategies.user_state import merge_candidates
+
+    a = [RetrievedMemory("m1", "fact", "x", 1, 0.4), RetrievedMemory("m2", "fact", "y", 2, 0.9)]
+    b = [RetrievedMemory("m1", "fact", "x", 1, 0.7), RetrievedMemory("m3", "insight", "z", 3, 0.2)]
+    got = merge_candidates(a, b)
+    assert [(c.memory_id, c.score) for c in got] == [("m1", 0.7), ("m2", 0.9), ("m3", 0.2)]
 
 
 def test_topk_strategy_skips_planning():

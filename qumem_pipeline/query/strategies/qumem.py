@@ -64,6 +64,11 @@ def with_query_anchor(plan: list[tuple[str, list[str]]], query: str) -> list[tup
     return [*plan, (query.strip(), list(MEMORY_TYPES))]
 
 
+# The query's own retrieval goes this many times deeper than each rewrite's: a rewrite can drift from
+# what was asked, the query cannot, and a 1.5B planner's rewrites often do (README, QA).
+ANCHOR_DEPTH = 2
+
+
 def plan_retrieval(
     queries: Sequence[Query],
     llm: LLMBackend,
@@ -137,5 +142,7 @@ class QumemStrategy(QueryStrategy):
         for i, (p_tok, c_tok) in enumerate(plan_tokens):
             tokens.add(i, p_tok, c_tok)
         plans = [with_query_anchor(p, q.query) for p, q in zip(plans, queries)]
+        k = 5 if k is None else k
         return infer_from_plans(self.name, queries, Plans(needs, plans, repaired), llm, retriever, tokens,
-                                k=5 if k is None else k, respond=respond, created_at=created_at, progress=progress)
+                                k=k, respond=respond, created_at=created_at, progress=progress,
+                                anchor_k=ANCHOR_DEPTH * k)

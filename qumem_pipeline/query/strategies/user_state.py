@@ -10,11 +10,12 @@ counted.
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Sequence
+from typing import Any, Sequence
 
 from qumem_pipeline.contracts.stage_versions import stage_version
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.memories.decompose import MEMORY_TYPES
 from qumem_pipeline.query.strategies.agents import (
     A3_MAX_TOKENS, A3_SCHEMA, A3_SYSTEM, QUERY_PROMPT_VERSION, RESPONSE_MAX_TOKENS, RESPONSE_SCHEMA, RESPONSE_SYSTEM,
 )
@@ -22,6 +23,15 @@ from qumem_pipeline.query.strategies.base import (
     Progress, Query, Retriever, StateOutput, TokenCounts, answer_queries, candidate_index, candidate_structs,
     check_no_future, cited_turns, output_frames, quarantine_row, render_candidates, resolve_citations, user_message,
 )
+
+
+def merge_candidates(first: Sequence, second: Sequence) -> list:
+    """Both retrievals' candidates, one per memory id, each with its best score (first's order, then second's new ones)."""
+    best: dict[str, Any] = {}
+    for c in [*first, *second]:
+        if c.memory_id not in best or c.score > best[c.memory_id].score:
+            best[c.memory_id] = c
+    return list(best.values())
 
 
 @dataclass
@@ -35,8 +45,9 @@ class Plans:
 
 def infer_from_plans(
     strategy: str, queries: Sequence[Query], planned: Plans, llm: LLMBackend, retriever: Retriever, tokens: TokenCounts,
-    *, k: int, respond: bool, created_at: datetime | None, progress: Progress | None,
+    *, k: int, respond: bool, created_at: datetime | None, progress: Progress | None, anchor_k: int | None = None,
 ) -> StateOutput:
+    """``anchor_k``: the query itself is also retrieved over every store, this deep (its plan rewrites get ``k``)."""
     created_at = created_at or datetime.now(timezone.utc)
     n = len(queries)
     quarantine: list[dict] = []
@@ -47,6 +58,10 @@ def infer_from_plans(
 
     # Retrieval: every planned query of every query in one call; never past as_of.
     candidates = retriever.retrieve([(q.user_id, planned.plans[i], q.as_of_position) for i, q in enumerate(queries)], k)
+    if anchor_k and anchor_k > k:
+        deeper = retriever.retrieve([(q.user_id, [(q.query, list(MEMORY_TYPES))], q.as_of_position) for q in queries],
+                                    anchor_k)
+        candidates = [merge_candidates(a, b) for a, b in zip(candidates, deeper)]
     check_no_future(queries, candidates)  # defence in depth: the retriever must already guarantee this
     candidates = [sorted(cs, key=lambda c: (c.position, -c.score)) for cs in candidates]
     step("retrieval")
