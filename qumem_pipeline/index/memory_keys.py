@@ -1,10 +1,10 @@
 """A memory's index key: its content and the turns it was drawn from, in one vector.
 
 Why: a memory is found by how a question is worded, and a small model often words a fact apart from
-how it will be asked for. LoCoMo's "What country is Caroline's grandma from?" ranks the memory "... a
-necklace ... given to her by her grandma in her home country, Sweden" 32nd among 698 by its content
-alone, behind every "Caroline ..." memory. The memory's source turns say the same thing in the
-speaker's own words. So a memory is indexed by ``normalize(c + w * normalize(mean(s)))``: ``c`` is
+how it will be asked for. For LoCoMo's "What country is Caroline's grandma from?", the memory "... a
+necklace ... given to her by her grandma in her home country, Sweden" ranks below many other
+"Caroline ..." memories by its content alone. Its source turns say the same thing in the speaker's
+own words. So a memory is indexed by ``normalize(c + w * normalize(mean(s)))``: ``c`` is
 its content's vector and ``s`` the vectors of its evidence turns. It stays one vector per memory, so
 the per-type indexes, the id map and the ``as_of`` filter are unchanged. What the answer step is shown
 is still the memory's own text.

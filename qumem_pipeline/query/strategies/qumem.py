@@ -65,7 +65,7 @@ def with_query_anchor(plan: list[tuple[str, list[str]]], query: str) -> list[tup
 
 
 # The query's own retrieval goes this many times deeper than each rewrite's: a rewrite can drift from
-# what was asked, the query cannot, and a 1.5B planner's rewrites often do (README, QA).
+# what was asked, the query cannot (README, QA).
 ANCHOR_DEPTH = 2
 
 
