@@ -132,10 +132,10 @@ class ConversationContext:
         return self._turn_vecs
 
     def memory_sources(self) -> dict[str, list[str]]:
-        """memory_id -> its evidence turns as shown ("Name: text"): what the product keys a memory by, besides its text."""
-        line_of = dict(zip(self.turn_index, self.lines))
-        return {m: [line_of[t] for t in ev if t in line_of]
-                for m, ev in zip(self.memories["memory_id"].to_list(), self.memories["evidence_turn_ids"].to_list())}
+        """memory_id -> its evidence turns' texts, as the product's embeddings asset builds them."""
+        from qumem_pipeline.index.memory_keys import source_texts
+
+        return source_texts(self.memories, self.conv.turns)
 
     def mem_vecs(self) -> np.ndarray:
         """Memory keys as the product's index builds them (``index.memory_keys``: text and source turns)."""
