@@ -107,16 +107,11 @@ def test_qumem_ranks_planned_memories_first_then_topk_backfill(toy, embedder):
     ids = {s: [[by_text[u.text] for u in units] for units in lists] for s, lists in out.items()}
     for qi in range(3):  # every memory exactly once: equal budgets, no duplicates
         assert sorted(ids["qumem"][qi]) == sorted(MEMORIES) and sorted(ids["topk"][qi]) == sorted(MEMORIES)
-    # Q_DOG planned over the fact store only: k=5 of its 7 facts lead, the dog memory first
-    dog = ids["qumem"][0]
-    assert dog[0] == "m-dog" and all(MEMORIES[m][1] == "fact" for m in dog[:5])
-    # then the backfill: the remaining memories in exactly the topk order
-    assert dog[5:] == [m for m in ids["topk"][0] if m not in dog[:5]]
-    # Q_DRINK planned over the preference store only: both preferences lead, best first
-    drink = ids["qumem"][1]
-    assert drink[:2] == ["m-tea", "m-love"]
-    assert drink[2:] == [m for m in ids["topk"][1] if m not in drink[:2]]
-    assert ids["topk"][1][:2] != drink[:2], "the plan changed the ranking (topk ignores the stores)"
+    # the query anchor (every store, 2k = 10 deep) reaches the whole toy, so planning ranks all ten by best score
+    assert stats["toy-1"]["mean_planned_memories"] == len(MEMORIES)
+    dog, drink = ids["qumem"][0], ids["qumem"][1]
+    assert dog[0] == "m-dog" or dog[:2] == ["m-love", "m-dog"]
+    assert set(drink[:2]) & {"m-tea", "m-switch"}
     # evidence maps to the conversation's dia ids (Bo's memories pooled via his turns)
     assert out["qumem"][2][0].pieces[0][0] <= {f"D{s}:{i}" for s in (1, 2) for i in range(1, 5)}
     st = stats["toy-1"]
@@ -135,9 +130,27 @@ def test_planned_retrieval_never_uses_memories_after_as_of(toy, embedder):
     mems = conversation_memories(conv, _memories())
     res = qumem_planned_retrieval("toy-1", ANN, [Q_DRINK, Q_DOG], mems, embedder, _openai(srv), as_of=3)
     pos = dict(zip(mems["memory_id"].to_list(), mems["position"].to_list()))
-    assert res.memory_ids[0] == ["m-love"]  # m-tea (stated at turn 6) is after as_of
+    assert "m-love" in res.memory_ids[0] and "m-tea" not in res.memory_ids[0]  # m-tea (stated at turn 6) is after as_of
+    assert all(pos[m] <= 3 for m in res.memory_ids[0])
     assert res.memory_ids[1] and all(pos[m] <= 3 for m in res.memory_ids[1])
-    assert set(res.memory_ids[1]) == {"m-dog", "m-settle", "m-shoes", "m-paint"}  # every fact up to turn 3
+    # every memory up to turn 3 (the anchor reaches the preference store too), nothing later
+    assert set(res.memory_ids[1]) == {m for m, p in pos.items() if p <= 3} == {"m-dog", "m-settle", "m-shoes", "m-paint", "m-love"}
+
+
+def test_planned_retrieval_is_the_strategys_plans_plus_a_deeper_query_anchor(toy, embedder):
+    """k=1: Q_DOG's rewrite searches the fact store one deep; the query itself searches every store 2 deep."""
+    from qumem_pipeline.eval.locomo.adamem_units import conversation_memories
+    from qumem_pipeline.eval.locomo.qumem_units import qumem_planned_retrieval
+
+    path, _, srv = toy
+    conv = load_conversations(str(path))[0][0]
+    mems = conversation_memories(conv, _memories())
+    res = qumem_planned_retrieval("toy-1", ANN, [Q_DOG], mems, embedder, _openai(srv), as_of=99, k=1)
+    assert res.plans[0] == [("Ann's dog name", ["fact"]), (Q_DOG, ["fact", "preference", "insight"])]
+    got = res.memory_ids[0]
+    assert "m-dog" in got and "m-shoes" in got  # two facts: the anchor goes deeper than k
+    assert {"m-love", "m-tea", "m-health"} <= set(got)  # stores the rewrite did not plan, reached by the anchor
+    assert len(got) == 5 and got == list(dict.fromkeys(got))
 
 
 def _run(args, env_url=None, monkeypatch=None):

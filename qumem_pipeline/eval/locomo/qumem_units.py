@@ -4,9 +4,10 @@ The conversation's memories (both speakers', re-indexed onto the primary user's 
 and put in an in-memory per-type FAISS store exactly as the pipeline builds a user's indexes
 (``embed_memories`` -> ``build_user_indexes`` -> ``VectorStore.in_memory``). A1/A2 run for ALL the
 conversation's questions in one batch each (``plan_retrieval``), then ``TypedMemoryRetriever``
-runs every plan (k per planned sub-query and store, as the product) with as_of = the end of the
-conversation; its merged, de-duplicated candidates (best score first) are the strategy's ranking.
-A3 is not run: the harness measures retrieval only.
+runs the strategy's own retrieval step (``user_state.retrieve_planned``: every plan, k per planned
+sub-query and store, plus the query itself over every store ``ANCHOR_DEPTH`` times deeper) with
+as_of = the end of the conversation; its merged, de-duplicated candidates (best score first) are
+the strategy's ranking. A3 is not run: the harness measures retrieval only.
 """
 
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,8 @@ import polars as pl
 
 from qumem_pipeline.index.embeddings import embed_memories
 from qumem_pipeline.query.strategies.base import Query
-from qumem_pipeline.query.strategies.qumem import plan_retrieval
+from qumem_pipeline.query.strategies.qumem import ANCHOR_DEPTH, plan_retrieval, with_query_anchor
+from qumem_pipeline.query.strategies.user_state import retrieve_planned
 from qumem_pipeline.query.retrieval import DEFAULT_K, TypedMemoryRetriever
 from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
 
@@ -47,10 +49,7 @@ def qumem_planned_retrieval(conv_id: str, user_id: str, questions: Sequence[str]
     retriever = TypedMemoryRetriever(store, embedder, mems)
     queries = [Query(f"{conv_id}/q{i}", user_id, q, as_of) for i, q in enumerate(questions)]
     _, plans, repaired, tokens = plan_retrieval(queries, llm)
-    cands = retriever.retrieve([(user_id, plan, as_of) for plan in plans], k)
-    for q, row in zip(queries, cands):
-        future = [c.memory_id for c in row if c.position > as_of]
-        if future:  # defence in depth: the store already filters by as_of
-            raise AssertionError(f"retriever returned memories after as_of for {q.query_id}: {future}")
-    ids = [list(dict.fromkeys(c.memory_id for c in row)) for row in cands]
+    plans = [with_query_anchor(p, q.query) for p, q in zip(plans, queries)]
+    cands = retrieve_planned(queries, plans, retriever, k=k, anchor_k=ANCHOR_DEPTH * k)
+    ids = [[c.memory_id for c in sorted(row, key=lambda c: (-c.score, c.memory_id))] for row in cands]
     return QumemPlanning(ids, plans, repaired, sum(t[0] for t in tokens), sum(t[1] for t in tokens))

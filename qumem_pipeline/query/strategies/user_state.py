@@ -34,6 +34,21 @@ def merge_candidates(first: Sequence, second: Sequence) -> list:
     return list(best.values())
 
 
+def retrieve_planned(queries: Sequence[Query], plans: Sequence[Sequence[tuple[str, list[str]]]], retriever: Retriever,
+                     *, k: int, anchor_k: int | None = None) -> list[list]:
+    """The retrieval step: every plan of every query in one call (``k`` per sub-query and store), then the
+    query itself over every store ``anchor_k`` deep when that is deeper, merged by memory id; never past as_of.
+
+    One function so the LoCoMo harness measures exactly the retrieval the strategy feeds to A3."""
+    candidates = retriever.retrieve([(q.user_id, plans[i], q.as_of_position) for i, q in enumerate(queries)], k)
+    if anchor_k and anchor_k > k:
+        deeper = retriever.retrieve([(q.user_id, [(q.query, list(MEMORY_TYPES))], q.as_of_position) for q in queries],
+                                    anchor_k)
+        candidates = [merge_candidates(a, b) for a, b in zip(candidates, deeper)]
+    check_no_future(queries, candidates)  # defence in depth: the retriever must already guarantee this
+    return candidates
+
+
 @dataclass
 class Plans:
     """What came before retrieval, per query: needs (JSON-able), plan [(query, stores)], why repaired."""
@@ -56,14 +71,8 @@ def infer_from_plans(
         if progress:
             progress(name, n, n)
 
-    # Retrieval: every planned query of every query in one call; never past as_of.
-    candidates = retriever.retrieve([(q.user_id, planned.plans[i], q.as_of_position) for i, q in enumerate(queries)], k)
-    if anchor_k and anchor_k > k:
-        deeper = retriever.retrieve([(q.user_id, [(q.query, list(MEMORY_TYPES))], q.as_of_position) for q in queries],
-                                    anchor_k)
-        candidates = [merge_candidates(a, b) for a, b in zip(candidates, deeper)]
-    check_no_future(queries, candidates)  # defence in depth: the retriever must already guarantee this
-    candidates = [sorted(cs, key=lambda c: (c.position, -c.score)) for cs in candidates]
+    candidates = [sorted(cs, key=lambda c: (c.position, -c.score))
+                  for cs in retrieve_planned(queries, planned.plans, retriever, k=k, anchor_k=anchor_k)]
     step("retrieval")
 
     # A3: user states, one batch.
