@@ -176,6 +176,24 @@ def test_harness_reports_qumem_row_with_llm_and_memories(toy, monkeypatch):
     assert qp["prompt_tokens"] == qp["by_conversation"]["toy-1"]["a1_a2_prompt_tokens"] > 0
 
 
+def test_harness_ledger_replays_planning_calls_on_rerun(toy, monkeypatch, tmp_path):
+    """--out puts every A1/A2 call in <out>.ledger.jsonl; a rerun sends nothing and reports the same recall."""
+    path, mem_dir, srv = toy
+    out = tmp_path / "h.json"
+    args = [str(path), "--json", "--units", "turns", "--memories", str(mem_dir), "--strategies", "qumem",
+            "--llm-kind", "openai", "--out", str(out)]
+    before = len(srv.requests())
+    first, _ = _run(args, srv.base_url, monkeypatch)
+    sent = len(srv.requests()) - before
+    assert first["llm_ledger"]["sent"] == sent == 6 and first["llm_ledger"]["replayed"] == 0  # 3 questions x (A1, A2)
+    rows = [json.loads(x) for x in (tmp_path / "h.json.ledger.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {r["type"] for r in rows} == {"information_needs", "retrieval_plan"}
+    second, _ = _run(args, srv.base_url, monkeypatch)
+    assert len(srv.requests()) - before == sent, "the rerun paid for calls the ledger holds"
+    assert second["llm_ledger"] == {**first["llm_ledger"], "sent": 0, "replayed": 6}
+    assert second["retrieval"]["strategies"]["qumem"] == first["retrieval"]["strategies"]["qumem"]
+
+
 def test_harness_keeps_qumem_skipped_without_llm_or_memories(toy, monkeypatch):
     path, mem_dir, srv = toy
     report, _ = _run([str(path), "--json", "--units", "turns", "--memories", str(mem_dir), "--strategies", "qumem,topk"])

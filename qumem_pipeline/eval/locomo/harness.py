@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-source-weight", type=float, default=SOURCE_WEIGHT,
                     help="key memories by their text plus W x their source turns' mean vector, as the product's "
                          f"index does (default {SOURCE_WEIGHT:g}; 0: by their text alone)")
+    ap.add_argument("--ledger", default=None, help="JSONL ledger of every LLM call (decomposition, A1/A2); a rerun "
+                    "replays finished calls instead of paying twice (default <out>.ledger.jsonl with --out)")
     ap.add_argument("--strategies", default="", help="comma list of query strategies to compare side by side "
                     "(qumem,adamem,topk); qumem needs an LLM (--llm-kind or --decompose) and memories "
                     "(--memories or --decompose), else it is skipped with the reason")
@@ -197,6 +199,7 @@ def run_options(args: argparse.Namespace) -> dict:
         speaker_prefix=not args.no_speaker_prefix,
         memory_source_weight=args.memory_source_weight,
         strategies=_csv(args.strategies),
+        ledger=args.ledger or (args.out + ".ledger.jsonl" if args.out else None),
     )
 
 

@@ -134,6 +134,7 @@ def run_eval(
     speaker_prefix: bool = True,
     strategies: Sequence[str] = (),
     memory_source_weight: float = SOURCE_WEIGHT,
+    ledger: str | os.PathLike | None = None,
     log=None,
 ) -> dict:
     """The full report (a JSON-serialisable dict). See ``qumem_pipeline.eval.locomo.harness``."""
@@ -151,7 +152,8 @@ def run_eval(
     log(f"[locomo] {len(convs)} conversations, {sum(len(v) for v in items_by_conv.values())} QA items with evidence")
     sources = gather_sources(convs, units, strategies, skipped, memories=memories, decompose=decompose,
                              llm_backend=llm_backend, llm_kind=llm_kind, continuity_artifact=continuity_artifact,
-                             device=device, memories_out=memories_out, llm_max_tokens=llm_max_tokens, log=log)
+                             device=device, memories_out=memories_out, llm_max_tokens=llm_max_tokens, ledger=ledger,
+                             log=log)
     emb = embedder or Embedder.load(device=device)
     questions = [it.question for c in convs for it in items_by_conv[c.sample_id]]
     te = time.perf_counter()
@@ -177,5 +179,9 @@ def run_eval(
     report["memory_keys"] = {"source_weight": memory_source_weight,
                              "rule": "memories ranked by normalize(text + w * normalize(mean of source turns))"
                              if memory_source_weight else "memories ranked by their text alone"}
+    used = sources.backend.built() if sources.backend else None
+    if used is not None and hasattr(used, "replayed"):  # a LedgerBackend
+        report["llm_ledger"] = {"path": str(used.log.path), "sent": used.sent, "replayed": used.replayed}
+        log(f"[locomo] LLM calls: {used.sent} sent, {used.replayed} replayed from {used.log.path}")
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     return report

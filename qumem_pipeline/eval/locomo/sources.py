@@ -128,31 +128,41 @@ class UnitSources:
     memories: pl.DataFrame | None = None
     decomposition: dict | None = None
     strategy_llm: object | None = None
+    backend: "_OneBackend | None" = None  # the run's one backend, when it was built (decomposition or planning)
     run_strategies: list[str] = field(default_factory=list)
 
 
 class _OneBackend:
-    """One LLM backend for the run, built on first use (decomposition and qumem's A1/A2)."""
+    """One LLM backend for the run, built on first use (decomposition and qumem's A1/A2); with a
+    ``ledger`` path every call is a ledger row and a rerun replays the finished ones (the QA run's ledger)."""
 
-    def __init__(self, given, llm_kind):
-        self._given, self._kind, self._backend = given, llm_kind, None
+    def __init__(self, given, llm_kind, ledger=None):
+        self._given, self._kind, self._ledger, self._backend = given, llm_kind, ledger, None
+
+    def built(self):
+        """The backend if anything used it, else None (nothing is started to ask)."""
+        return self._backend
 
     def __call__(self):
         if self._backend is None:
             self._backend = self._given or make_backend(self._kind)
+            if self._ledger:
+                from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend
+
+                self._backend = LedgerBackend(self._backend, self._ledger)
         return self._backend
 
 
 def gather_sources(convs: list[Conversation], units: Sequence[str], strategies: Sequence[str], skipped: dict, *,
                    memories=None, decompose: bool = False, llm_backend=None, llm_kind: str | None = None,
                    continuity_artifact: str | None = None, device=None, memories_out=None,
-                   llm_max_tokens: int = 384, log=None) -> UnitSources:
+                   llm_max_tokens: int = 384, ledger=None, log=None) -> UnitSources:
     """Episodes, memories and the strategy LLM this run needs; reasons for what is missing go to ``skipped``."""
     log = log or (lambda msg: None)
     src = UnitSources()
     # the memories feed the memories row and the strategies (qumem ranks memories only)
     decompose = decompose and ("memories" in units or bool(strategies))
-    backend = _OneBackend(llm_backend, llm_kind)
+    backend = src.backend = _OneBackend(llm_backend, llm_kind, ledger)
     if "episodes" in units or decompose:
         try:
             te = time.perf_counter()
