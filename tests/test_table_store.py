@@ -99,8 +99,35 @@ def test_replace_users_is_one_commit_and_sparse_tables_drop_users(tmp_path):
     # path), the second replaces through delta-rs (rows to take out)
     ops = [h["operation"] for h in DeltaTable(str(tmp_path / "quarantine")).history()]
     assert ops == ["WRITE", "CREATE TABLE"]
+    assert layout.store.write_paths == {"add_only": 1, "delta_rs": 1}  # skipped, not raced: no second open
     with pytest.raises(ValueError, match="outside this replace"):
         layout.replace_users("quarantine", ["a"], _rows(["a", "zed"]))
+
+
+def test_add_only_replace_that_races_another_writer_keeps_one_copy(tmp_path, monkeypatch):
+    """Another writer commits the same users between our check and our add-only commit: both copies
+    land, the post-commit check sees the other's file (RACED) and the rows are replaced through
+    delta-rs, so the users end with this write's rows, once."""
+    from qumem_pipeline.storage import table_store
+
+    layout = DataLayout(tmp_path)
+    layout.replace_users("quarantine", ["z"], _rows(["z"]))  # the table exists: the add-only append path
+    real, fired = table_store.write_files, []
+
+    def racing_write_files(*args, **kwargs):
+        adds = real(*args, **kwargs)
+        if not fired:  # once: the other writer's whole replace lands before our commit
+            fired.append(True)
+            other = DataLayout(tmp_path)
+            other.replace_users("quarantine", ["a", "b"], _rows(["a", "b"], tag="other"))
+            assert other.store.write_paths == {"add_only": 1}
+        return adds
+
+    monkeypatch.setattr(table_store, "write_files", racing_write_files)
+    layout.replace_users("quarantine", ["a", "b"], _rows(["a", "b"], tag="mine"))
+    assert fired and layout.store.write_paths == {"add_only": 1, "add_only_raced": 1}
+    got = layout.read_table("quarantine").sort("text")["text"].to_list()
+    assert got == sorted([f"{u}-mine-{i}" for u in "ab" for i in range(3)] + ["z-v1-0", "z-v1-1", "z-v1-2"])
 
 
 WRITER = """

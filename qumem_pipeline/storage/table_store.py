@@ -26,6 +26,7 @@ import os
 import random
 import re
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Iterable
 from urllib.parse import unquote
@@ -43,6 +44,9 @@ from qumem_pipeline.storage.file_commit import commit_append, commit_new_table, 
 KEY, BUCKET, PLACEHOLDER = "user_key", "user_bucket", "user_placeholder"
 STORE_COLUMNS = (KEY, BUCKET, PLACEHOLDER)
 DESCRIPTION_TAG = "qumem-table-store"
+# How a write landed (``TableStore.write_paths`` counts them): new files plus one add-only commit, or
+# through delta-rs because the add-only path did not apply (SKIPPED) or found another writer's copy (RACED).
+WRITTEN, SKIPPED, RACED = "add_only", "delta_rs", "add_only_raced"
 COMMIT_RETRIES = int(os.environ.get("QUMEM_COMMIT_RETRIES", "20"))
 TARGET_FILE_SIZE = int(os.environ.get("QUMEM_TARGET_FILE_BYTES", str(256 * 1024 * 1024)))
 _TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -103,6 +107,7 @@ class TableStore:
         self.n_buckets = n_buckets if n_buckets is not None else configured_buckets()
         self.storage_options = storage_options
         self._tables: dict[str, DeltaTable] = {}
+        self.write_paths: Counter = Counter()  # WRITTEN / SKIPPED / RACED per write this process made
 
     # ------------------------------------------------------------------ naming and handles
     def uri(self, table: str) -> str:
@@ -335,11 +340,14 @@ class TableStore:
         if not df[KEY].is_sorted():  # rows usually come in user order already: skip a copy of every column
             df = df.sort(KEY, maintain_order=True)
         commit = CommitProperties(custom_metadata={"qumem.operation": operation, "qumem.users": str(len(users))})
-        if self._fast_write(table, dt, df, target, new_cols, buckets, operation, commit, n):
+        path = self._fast_write(table, dt, df, target, new_cols, buckets, operation, commit, n)
+        self.write_paths[path] += 1
+        if path == WRITTEN:
             self._tables.pop(table, None)
             dt2 = self._open(table)
             return dt2.version() if dt2 is not None else -1
-        dt = self._open(table)  # the add-only path may have committed (then raced): write on the latest
+        if path == RACED:  # the add-only commit landed beside another writer's: replace on the latest version
+            dt = self._open(table)
         arrow = df.to_arrow()
         if dt is None:
             hints = {c: _dtype_to_str(t) for c, t in target.items() if _lossy(t)}
@@ -362,18 +370,21 @@ class TableStore:
         return dt2.version() if dt2 is not None else -1
 
     def _fast_write(self, table: str, dt: DeltaTable | None, df: pl.DataFrame, target: pl.Schema, new_cols: dict,
-                    buckets: dict[str, int], operation: str, commit: CommitProperties, n: int) -> bool:
+                    buckets: dict[str, int], operation: str, commit: CommitProperties, n: int) -> str:
         """Write `df` as new files plus one add-only commit (storage/file_commit.py) when the write
-        removes nothing: an append, or a replace none of whose users a stored file may hold. False:
-        the caller writes through delta-rs."""
+        removes nothing: an append, or a replace none of whose users a stored file may hold.
+
+        Returns WRITTEN; SKIPPED (nothing written, ``dt`` is still the latest the caller knows: it writes
+        through delta-rs on it); or RACED (committed, but another writer's copy of these users landed
+        too: the caller replaces them through delta-rs on a freshly opened table)."""
         if new_cols or not fast_path_ok(target) or (dt is not None and self._meta(dt).get("dtypes")):
-            return False
+            return SKIPPED
         if operation != "append":
             by_bucket: dict[int, list[str]] = {}
             for u, b in buckets.items():
                 by_bucket.setdefault(b, []).append(u)
             if may_hold(dt, by_bucket, KEY, BUCKET):
-                return False
+                return SKIPPED
         fs, base = self.filesystem()
         adds = write_files(df, fs, f"{base}/{table}", key=KEY, bucket=BUCKET, row_group_rows=ROW_GROUP_ROWS,
                            target_file_bytes=TARGET_FILE_SIZE)
@@ -389,8 +400,8 @@ class TableStore:
             # our commit would leave both copies. Then the rows are replaced through delta-rs.
             self._tables.pop(table, None)
             if may_hold(self._open(table), by_bucket, KEY, BUCKET, exclude={a.path for a in adds}):
-                return False
-        return True
+                return RACED
+        return WRITTEN
 
     def _data_schema(self, dt: DeltaTable) -> pl.Schema:
         arrow = _pa_schema(dt.schema().to_arrow())
