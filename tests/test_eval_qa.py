@@ -398,3 +398,47 @@ def test_ledger_replays_each_call_as_it_finished_retries_included(tmp_path):
         assert second.replayed == 4  # cut, retry, cut, cut: finished calls are never paid twice
         assert second.sent == 2  # only the calls that got no answer
         assert len(srv.requests()) == n_requests + 2
+
+
+def test_ledger_generate_each_writes_each_call_as_it_finishes_and_replays_follow_ups(tmp_path):
+    """Streaming through the ledger (the decomposition's path): every finished call is a ledger row
+    before the caller sees it, a follow-up the caller returns (a retry) is sent and recorded too, and
+    a rerun hands the same results over with nothing sent."""
+    from fake_openai_server import RunningFakeServer
+
+    from qumem_pipeline.eval.locomo.qa_ledger import JsonlLog, LedgerBackend
+    from qumem_pipeline.llm.base import ChatRequest, generate_each
+    from qumem_pipeline.llm.factory import make_backend
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    script = {"model": "m1", "rules": [
+        {"match": "retry me", "responses": [{"json": {"answer": "retried"}}]},
+        {"match": "q", "responses": [{"json": {"answer": "ok"}}]}]}
+    ledger = tmp_path / "ledger.jsonl"
+    reqs = [ChatRequest(f"r{i}", [{"role": "user", "content": f"q{i}"}], schema, 16, "answer_obj") for i in range(5)]
+
+    def run(srv):
+        lb = LedgerBackend(make_backend("openai", base_url=srv.base_url, max_retries=0, timeout_s=5.0), ledger)
+        seen = []
+
+        def on_result(req, res):
+            rows_now = len(JsonlLog(ledger).rows())
+            seen.append((req.request_id, res.parsed, rows_now))
+            if req.request_id == "r2":  # one follow-up, as a retry would be
+                return [ChatRequest("r2/retry", [{"role": "user", "content": "retry me"}], schema, 16, "answer_obj")]
+            return None
+
+        generate_each(lb, list(reqs), on_result)
+        lb.close()
+        return lb, seen
+
+    with RunningFakeServer(script, tmp_path / "srv") as srv:
+        first, seen1 = run(srv)
+        assert first.sent == 6 and first.replayed == 0 and len(srv.requests()) == 6
+        assert sorted(rid for rid, _, _ in seen1) == ["r0", "r1", "r2", "r2/retry", "r3", "r4"]
+        assert dict((rid, p) for rid, p, _ in seen1)["r2/retry"] == {"answer": "retried"}
+        # each result is on disk before it is handed over: the row count grows with every call
+        assert [n for _, _, n in seen1] == list(range(1, 7))
+        second, seen2 = run(srv)
+        assert second.sent == 0 and second.replayed == 6 and len(srv.requests()) == 6
+        assert sorted((r, json.dumps(p)) for r, p, _ in seen2) == sorted((r, json.dumps(p)) for r, p, _ in seen1)

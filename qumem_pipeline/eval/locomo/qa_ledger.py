@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from qumem_pipeline.llm.base import (
-    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, read_output,
+    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, generate_each, read_output,
 )
 
 
@@ -91,56 +91,86 @@ class LedgerBackend(BackendBase):
             if row.get("model") == self.model_name and _replayable(row):
                 self._rows[row["fingerprint"]].append(row)
 
+    def _replay(self, req: ChatRequest, fp: str) -> ChatResult | None:
+        """The ledger's answer to this call (the n-th of its request this run), or None: it must be sent."""
+        nth = self._seen[fp]
+        self._seen[fp] += 1
+        rows = self._rows.get(fp, [])
+        if nth >= len(rows):
+            return None
+        row = rows[nth]
+        self.replayed += 1
+        # read again, not copied: a finished output reads as this code reads it (a salvage added later included)
+        parsed, error, salvaged = read_output(row["raw_text"], req.json_schema, row["finish_reason"], req.max_tokens)
+        return ChatResult(req.request_id, parsed, row["raw_text"], error, row["prompt_tokens"],
+                          row["completion_tokens"], row["cached_tokens"], 0.0, 0, row["finish_reason"], salvaged)
+
+    def _row(self, req: ChatRequest, fp: str, res: ChatResult, now: str) -> dict:
+        self._attempts[fp] += 1
+        row = {
+            "request_id": req.request_id, "user_id": (req.metadata or {}).get("user_id"), "episode_id":
+            (req.metadata or {}).get("episode_id"), "type": req.schema_name, "attempt": self._attempts[fp],
+            "status": "ok" if res.ok else "error", "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
+            "latency_s": round(res.latency_s, 3), "transport_attempts": res.attempts,
+            "backend": self.backend_name, "model": self.model_name, "prompt_version": self.tags.get("prompt_version"),
+            "created_at": now, "strategy": self.tags.get("strategy"), "fingerprint": fp,
+            "max_tokens": req.max_tokens, "finish_reason": res.finish_reason, "error": res.error,
+            "salvaged": res.salvaged,
+            "raw_text": res.raw_text, "parsed": json.dumps(res.parsed) if res.parsed is not None else None,
+        }
+        if _replayable(row):
+            self._rows[fp].append(row)
+        self.sent += 1
+        return row
+
+    def _tally(self, res: ChatResult) -> None:
+        tally = self.used[self.tags.get("strategy") or "?"]
+        tally["calls"] += 1
+        tally["errors"] += not res.ok
+        tally["salvaged"] += res.salvaged
+        tally["prompt_tokens"] += res.prompt_tokens
+        tally["completion_tokens"] += res.completion_tokens
+
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
-        out: list[ChatResult | None] = [None] * len(requests)
         fps = [request_fingerprint(self.model_name, r) for r in requests]
-        todo = []
-        for i, (req, fp) in enumerate(zip(requests, fps)):
-            nth = self._seen[fp]
-            self._seen[fp] += 1
-            rows = self._rows.get(fp, [])
-            if nth >= len(rows):
-                todo.append(i)
-                continue
-            row = rows[nth]
-            self.replayed += 1
-            # read again, not copied: a finished output reads as this code reads it (a salvage added later included)
-            parsed, error, salvaged = read_output(row["raw_text"], req.json_schema, row["finish_reason"], req.max_tokens)
-            out[i] = ChatResult(req.request_id, parsed, row["raw_text"], error, row["prompt_tokens"],
-                                row["completion_tokens"], row["cached_tokens"], 0.0, 0, row["finish_reason"], salvaged)
+        out: list[ChatResult | None] = [self._replay(req, fp) for req, fp in zip(requests, fps)]
+        todo = [i for i, r in enumerate(out) if r is None]
         if todo:
             results = self.inner.generate([requests[i] for i in todo])
             now = datetime.now(timezone.utc).isoformat()
-            rows = []
+            self.log.append([self._row(requests[i], fps[i], res, now) for i, res in zip(todo, results)])
             for i, res in zip(todo, results):
-                req, fp = requests[i], fps[i]
-                self._attempts[fp] += 1
-                row = {
-                    "request_id": req.request_id, "user_id": (req.metadata or {}).get("user_id"), "episode_id":
-                    (req.metadata or {}).get("episode_id"), "type": req.schema_name, "attempt": self._attempts[fp],
-                    "status": "ok" if res.ok else "error", "prompt_tokens": res.prompt_tokens,
-                    "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
-                    "latency_s": round(res.latency_s, 3), "transport_attempts": res.attempts,
-                    "backend": self.backend_name, "model": self.model_name, "prompt_version": self.tags.get("prompt_version"),
-                    "created_at": now, "strategy": self.tags.get("strategy"), "fingerprint": fp,
-                    "max_tokens": req.max_tokens, "finish_reason": res.finish_reason, "error": res.error,
-                    "salvaged": res.salvaged,
-                    "raw_text": res.raw_text, "parsed": json.dumps(res.parsed) if res.parsed is not None else None,
-                }
-                rows.append(row)
-                if _replayable(row):
-                    self._rows[fp].append(row)
                 out[i] = res
-            self.sent += len(todo)
-            self.log.append(rows)
-        tally = self.used[self.tags.get("strategy") or "?"]
         for res in out:
-            tally["calls"] += 1
-            tally["errors"] += not res.ok
-            tally["salvaged"] += res.salvaged
-            tally["prompt_tokens"] += res.prompt_tokens
-            tally["completion_tokens"] += res.completion_tokens
+            self._tally(res)  # type: ignore[arg-type]
         return out  # type: ignore[return-value]
+
+    def generate_each(self, requests: list[ChatRequest], on_result) -> None:
+        """Replayed calls handed over at once, the rest sent through the inner backend's own
+        ``generate_each`` (a bounded number in flight), each one a ledger row the moment it finishes:
+        a killed decomposition loses no finished call, and no batch waits on its slowest call."""
+        def drain(reqs: list[ChatRequest]) -> list[ChatRequest]:
+            send, queue = [], list(reqs)
+            while queue:
+                req = queue.pop(0)
+                res = self._replay(req, request_fingerprint(self.model_name, req))
+                if res is None:
+                    send.append(req)
+                else:
+                    self._tally(res)
+                    queue.extend(on_result(req, res) or [])
+            return send
+
+        def finished(req: ChatRequest, res: ChatResult) -> list[ChatRequest]:
+            fp = request_fingerprint(self.model_name, req)
+            self.log.append([self._row(req, fp, res, datetime.now(timezone.utc).isoformat())])
+            self._tally(res)
+            return drain(on_result(req, res) or [])
+
+        send = drain(requests)
+        if send:
+            generate_each(self.inner, send, finished)
 
     def close(self) -> None:
         self.inner.close()
