@@ -442,3 +442,29 @@ def test_ledger_generate_each_writes_each_call_as_it_finishes_and_replays_follow
         second, seen2 = run(srv)
         assert second.sent == 0 and second.replayed == 6 and len(srv.requests()) == 6
         assert sorted((r, json.dumps(p)) for r, p, _ in seen2) == sorted((r, json.dumps(p)) for r, p, _ in seen1)
+
+
+def test_ledger_endpoint_failure_hands_back_results_aligned_to_the_callers_requests(tmp_path):
+    """A replayed call and a call to an endpoint that is down: the error's partial_results line up with
+    the requests the caller passed (the replayed result first, None for the one that got nothing)."""
+    from fake_openai_server import RunningFakeServer
+
+    from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend
+    from qumem_pipeline.llm.base import ChatRequest, LLMEndpointError
+    from qumem_pipeline.llm.factory import make_backend
+    from qumem_pipeline.runtime.processes import free_port
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    ledger = tmp_path / "ledger.jsonl"
+    a = ChatRequest("a", [{"role": "user", "content": "qa"}], schema, 16, "answer_obj")
+    b = ChatRequest("b", [{"role": "user", "content": "qb"}], schema, 16, "answer_obj")
+    with RunningFakeServer({"model": "m1", "rules": [{"match": "q", "responses": [{"json": {"answer": "A"}}]}]},
+                           tmp_path / "srv") as srv:
+        LedgerBackend(make_backend("openai", base_url=srv.base_url, max_retries=0, timeout_s=5.0), ledger).generate([a])
+    dead = make_backend("openai", base_url=f"http://127.0.0.1:{free_port()}/v1", model="m1", max_retries=0, timeout_s=2.0)
+    lb = LedgerBackend(dead, ledger)
+    with pytest.raises(LLMEndpointError) as got:
+        lb.generate([a, b])
+    partial = got.value.partial_results
+    assert len(partial) == 2 and partial[0].parsed == {"answer": "A"} and partial[1] is None
+    assert lb.replayed == 1 and lb.sent == 0

@@ -9,7 +9,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from qumem_pipeline.llm.base import (
-    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, generate_each, read_output,
+    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, LLMEndpointError, generate_each,
+    read_output,
 )
 
 
@@ -137,7 +138,18 @@ class LedgerBackend(BackendBase):
         out: list[ChatResult | None] = [self._replay(req, fp) for req, fp in zip(requests, fps)]
         todo = [i for i, r in enumerate(out) if r is None]
         if todo:
-            results = self.inner.generate([requests[i] for i in todo])
+            try:
+                results = self.inner.generate([requests[i] for i in todo])
+            except LLMEndpointError as err:
+                # keep what finished before the endpoint failed, and hand it back aligned to *these* requests
+                partial = list(getattr(err, "partial_results", None) or [])
+                now = datetime.now(timezone.utc).isoformat()
+                self.log.append([self._row(requests[i], fps[i], res, now)
+                                 for i, res in zip(todo, partial) if res is not None])
+                for i, res in zip(todo, partial):
+                    out[i] = res
+                err.partial_results = list(out)  # type: ignore[attr-defined]
+                raise
             now = datetime.now(timezone.utc).isoformat()
             self.log.append([self._row(requests[i], fps[i], res, now) for i, res in zip(todo, results)])
             for i, res in zip(todo, results):
