@@ -61,3 +61,17 @@ def test_vllm_managed_reads_extra_args_and_max_len_from_env(tmp_path, monkeypatc
                QUMEM_VLLM_MAX_MODEL_LEN="4096")
     assert "--enforce-eager" in msg and "--max-model-len 4096" in msg
     assert msg.count("--structured-outputs-config") == 1 and "guidance" in msg
+
+
+def test_served_name_carries_a_forced_dtype(tmp_path, monkeypatch):
+    """The same weights in float32 answer differently from bf16: the recorded model (the served name)
+    says so, and a ledger never replays one dtype's answers for the other."""
+    from qumem_pipeline.llm.vllm_managed import default_served_name, dtype_in
+
+    assert dtype_in(["--enforce-eager", "--dtype", "float32"]) == "float32" and dtype_in(["--dtype=half"]) == "half"
+    assert dtype_in(["--enforce-eager"]) is None
+    assert default_served_name("/m/Qwen2.5-Coder-1.5B-Instruct", ["--enforce-eager"]) == "Qwen2.5-Coder-1.5B-Instruct"
+    assert default_served_name("/m/Qwen2.5-Coder-1.5B-Instruct", ["--dtype", "float32"]) == "Qwen2.5-Coder-1.5B-Instruct@float32"
+    assert default_served_name("/m/Q", ["--dtype", "auto"]) == "Q"
+    msg = _cmd(tmp_path, monkeypatch, "/m/Qwen2.5-Coder-1.5B-Instruct", QUMEM_VLLM_EXTRA_ARGS="--enforce-eager --dtype float32")
+    assert "--served-model-name Qwen2.5-Coder-1.5B-Instruct@float32" in msg and "--dtype float32" in msg

@@ -50,6 +50,25 @@ def _log_tail(path: Path, n: int = 4000) -> str:
     return data[-n:].decode("utf-8", "replace")
 
 
+def dtype_in(args: Sequence[str]) -> str | None:
+    """The ``--dtype`` vLLM is given in ``args`` (``--dtype X`` or ``--dtype=X``), else None."""
+    for i, a in enumerate(args):
+        if a == "--dtype" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--dtype="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def default_served_name(model: str, extra_args: Sequence[str]) -> str:
+    """The model directory's name, with ``@<dtype>`` when one is forced (``--dtype float32`` on a CPU
+    without bf16): the served name is the ``model`` every memory and ledger row records and the ledger
+    replays by, and the same weights in another dtype give other outputs."""
+    name = Path(str(model)).name
+    dtype = dtype_in(extra_args)
+    return f"{name}@{dtype}" if dtype and dtype != "auto" else name
+
+
 class VLLMManagedBackend(BackendBase):
     backend_name = "vllm-managed"
 
@@ -73,7 +92,9 @@ class VLLMManagedBackend(BackendBase):
         self.python = python or os.environ.get("QUMEM_VLLM_PYTHON") or sys.executable
         self.host = host
         self.port = port or free_port(host)
-        self.served_model_name = served_model_name or Path(str(model)).name
+        if extra_args is None:
+            extra_args = shlex.split(os.environ.get("QUMEM_VLLM_EXTRA_ARGS", ""))
+        self.served_model_name = served_model_name or default_served_name(str(model), extra_args)
         self.base_url = f"http://{host}:{self.port}/v1"
         self.log_path = Path(log_path) if log_path else Path(os.environ.get("QUMEM_CACHE_DIR", ".cache")) / "logs" / f"vllm-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,8 +111,6 @@ class VLLMManagedBackend(BackendBase):
             max_model_len = int(os.environ["QUMEM_VLLM_MAX_MODEL_LEN"])
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
-        if extra_args is None:
-            extra_args = shlex.split(os.environ.get("QUMEM_VLLM_EXTRA_ARGS", ""))
         extra = list(extra_args)
         self.profile = profile_for(str(model))
         if compact_json is None:
