@@ -86,6 +86,8 @@ def test_stages_batched_across_queries_and_citations_resolved():
     assert [len(c) for c in ret.calls] == [2, 2] and ret.ks == [5, 10]
     assert [plan for _, plan, _ in ret.calls[1]] == [[("Where should I eat?", ["fact", "preference", "insight"])],
                                                     [("Dinner idea?", ["fact", "preference", "insight"])]]
+    # the first call carries A2's rewrites only: the anchor is searched once, in the deeper call
+    assert [plan for _, plan, _ in ret.calls[0]] == [[("Alice diet", ["preference"])], [("Alice diet", ["preference"])]]
     rows = {r["query_id"]: r for r in out.states.iter_rows(named=True)}
     assert rows["q1"]["cited_memory_ids"] == ["m-veg", "m-vegan"] and rows["q1"]["dropped_citations"] == 1
     assert rows["q1"]["cited_turn_ids"] == [2, 3, 40]
@@ -95,6 +97,24 @@ def test_stages_batched_across_queries_and_citations_resolved():
     # A2's plan, then the query itself over every store (the anchor), recorded in the row
     assert json.loads(rows["q1"]["plan"]) == [{"query": "Alice diet", "stores": ["preference"]},
                                               {"query": "Where should I eat?", "stores": ["fact", "preference", "insight"]}]
+
+
+def test_a_plan_that_is_only_the_anchor_is_searched_once_at_anchor_depth():
+    from qumem_pipeline.query.strategies.user_state import retrieve_planned
+
+    every = ["fact", "preference", "insight"]
+    qs = [Query("q1", "alice", "Dinner?", 100), Query("q2", "alice", "Diet?", 100)]
+    ret = ListRetriever(MEMS)
+    got = retrieve_planned(qs, [[("dinner?", every)], [("Alice diet", ["preference"]), ("Diet?", every)]], ret,
+                           k=1, anchor_k=2)
+    # q1's plan is the anchor alone: nothing of it goes into the k-deep call
+    assert ret.ks == [1, 2] and [plan for _, plan, _ in ret.calls[0]] == [[("Alice diet", ["preference"])]]
+    assert [c.memory_id for c in got[0]] == ["m-veg", "m-vegan"]
+    assert [c.memory_id for c in got[1]] == ["m-veg", "m-vegan"]
+    # no deeper anchor: the plan goes out whole, in one call
+    ret = ListRetriever(MEMS)
+    retrieve_planned(qs[:1], [[("dinner?", every)]], ret, k=1)
+    assert ret.ks == [1] and ret.calls[0][0][1] == [("dinner?", every)]
 
 
 def test_query_anchor_is_added_once():

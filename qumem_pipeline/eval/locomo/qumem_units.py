@@ -17,7 +17,7 @@ import polars as pl
 
 from qumem_pipeline.index.embeddings import embed_memories
 from qumem_pipeline.query.strategies.base import Query
-from qumem_pipeline.query.strategies.qumem import ANCHOR_DEPTH, plan_retrieval, with_query_anchor
+from qumem_pipeline.query.strategies.qumem import anchored, plan_retrieval
 from qumem_pipeline.query.strategies.user_state import retrieve_planned
 from qumem_pipeline.query.retrieval import DEFAULT_K, TypedMemoryRetriever
 from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
@@ -49,7 +49,7 @@ def qumem_planned_retrieval(conv_id: str, user_id: str, questions: Sequence[str]
     retriever = TypedMemoryRetriever(store, embedder, mems)
     queries = [Query(f"{conv_id}/q{i}", user_id, q, as_of) for i, q in enumerate(questions)]
     _, plans, repaired, tokens = plan_retrieval(queries, llm)
-    plans = [with_query_anchor(p, q.query) for p, q in zip(plans, queries)]
-    cands = retrieve_planned(queries, plans, retriever, k=k, anchor_k=ANCHOR_DEPTH * k)
+    plans, anchor_k = anchored(plans, queries, k)
+    cands = retrieve_planned(queries, plans, retriever, k=k, anchor_k=anchor_k)
     ids = [[c.memory_id for c in sorted(row, key=lambda c: (-c.score, c.memory_id))] for row in cands]
     return QumemPlanning(ids, plans, repaired, sum(t[0] for t in tokens), sum(t[1] for t in tokens))

@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 
 from qumem_pipeline.eval.locomo.data import load_dataset, qa_items
+from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend
 from qumem_pipeline.eval.locomo.rank import DEFAULT_SCORING, SCORINGS, embed_units, scorings_for, \
     strategy_ranked_units, unit_scores
 from qumem_pipeline.eval.locomo.report import RunSettings, build_report
@@ -180,7 +181,7 @@ def run_eval(
                              "rule": "memories ranked by normalize(text + w * normalize(mean of source turns))"
                              if memory_source_weight else "memories ranked by their text alone"}
     used = sources.backend.built() if sources.backend else None
-    if used is not None and hasattr(used, "replayed"):  # a LedgerBackend
+    if isinstance(used, LedgerBackend):
         report["llm_ledger"] = {"path": str(used.log.path), "sent": used.sent, "replayed": used.replayed}
         log(f"[locomo] LLM calls: {used.sent} sent, {used.replayed} replayed from {used.log.path}")
     report["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -17,9 +17,10 @@ from qumem_pipeline.query.strategies.agents import (
     A1_MAX_TOKENS, A1_SCHEMA, A1_SYSTEM, A2_MAX_TOKENS, A2_SCHEMA, A2_SYSTEM, MAX_PLAN_QUERIES, QUERY_PROMPT_VERSION,
 )
 from qumem_pipeline.query.strategies.base import Progress, Query, QueryStrategy, Retriever, StateOutput, TokenCounts, user_message
-from qumem_pipeline.query.strategies.user_state import Plans, infer_from_plans
+from qumem_pipeline.query.strategies.user_state import Plans, infer_from_plans, is_query_anchor
 
-__all__ = ["QUERY_PROMPT_VERSION", "QumemStrategy", "plan_retrieval", "validate_plan"]
+__all__ = ["ANCHOR_DEPTH", "QUERY_PROMPT_VERSION", "QumemStrategy", "anchored", "plan_retrieval", "validate_plan",
+           "with_query_anchor"]
 
 
 def validate_plan(raw: dict | None, query: str) -> tuple[list[tuple[str, list[str]]], str | None]:
@@ -59,7 +60,7 @@ def with_query_anchor(plan: list[tuple[str, list[str]]], query: str) -> list[tup
     evidence the question never asked for; the query's own top-k anchors the candidates (measured
     on LoCoMo QA, see README). The anchor is recorded in the row's plan, so what was retrieved
     stays visible."""
-    if any(text.strip().lower() == query.strip().lower() and set(stores) == set(MEMORY_TYPES) for text, stores in plan):
+    if any(is_query_anchor(entry, query) for entry in plan):
         return plan
     return [*plan, (query.strip(), list(MEMORY_TYPES))]
 
@@ -67,6 +68,14 @@ def with_query_anchor(plan: list[tuple[str, list[str]]], query: str) -> list[tup
 # The query's own retrieval goes this many times deeper than each rewrite's: a rewrite can drift from
 # what was asked, the query cannot (README, QA).
 ANCHOR_DEPTH = 2
+
+
+def anchored(plans: Sequence[list[tuple[str, list[str]]]], queries: Sequence[Query], k: int
+             ) -> tuple[list[list[tuple[str, list[str]]]], int]:
+    """A2's plans with the query anchor, and how deep the anchor is retrieved for ``k``.
+
+    The one place the strategy and the LoCoMo harness take both from, so they cannot drift apart."""
+    return [with_query_anchor(p, q.query) for p, q in zip(plans, queries)], ANCHOR_DEPTH * k
 
 
 def plan_retrieval(
@@ -141,8 +150,8 @@ class QumemStrategy(QueryStrategy):
         needs, plans, repaired, plan_tokens = plan_retrieval(queries, llm, progress=progress)
         for i, (p_tok, c_tok) in enumerate(plan_tokens):
             tokens.add(i, p_tok, c_tok)
-        plans = [with_query_anchor(p, q.query) for p, q in zip(plans, queries)]
         k = 5 if k is None else k
+        plans, anchor_k = anchored(plans, queries, k)
         return infer_from_plans(self.name, queries, Plans(needs, plans, repaired), llm, retriever, tokens,
                                 k=k, respond=respond, created_at=created_at, progress=progress,
-                                anchor_k=ANCHOR_DEPTH * k)
+                                anchor_k=anchor_k)

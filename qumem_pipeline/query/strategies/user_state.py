@@ -34,16 +34,31 @@ def merge_candidates(first: Sequence, second: Sequence) -> list:
     return list(best.values())
 
 
+def is_query_anchor(entry: tuple[str, Sequence[str]], query: str) -> bool:
+    """True for a plan entry that is the query itself over every store (the anchor)."""
+    text, stores = entry
+    return text.strip().lower() == query.strip().lower() and set(stores) == set(MEMORY_TYPES)
+
+
 def retrieve_planned(queries: Sequence[Query], plans: Sequence[Sequence[tuple[str, list[str]]]], retriever: Retriever,
                      *, k: int, anchor_k: int | None = None) -> list[list]:
     """The retrieval step: every plan of every query in one call (``k`` per sub-query and store), then the
     query itself over every store ``anchor_k`` deep when that is deeper, merged by memory id; never past as_of.
 
-    One function so the LoCoMo harness measures exactly the retrieval the strategy feeds to A3."""
-    candidates = retriever.retrieve([(q.user_id, plans[i], q.as_of_position) for i, q in enumerate(queries)], k)
-    if anchor_k and anchor_k > k:
-        deeper = retriever.retrieve([(q.user_id, [(q.query, list(MEMORY_TYPES))], q.as_of_position) for q in queries],
-                                    anchor_k)
+    With a deeper anchor, the plan's own anchor entry is left out of the first call: its k hits are the
+    top of the deeper call's, so searching it twice would buy nothing. One function so the LoCoMo
+    harness measures exactly the retrieval the strategy feeds to A3."""
+    deeper_anchor = bool(anchor_k and anchor_k > k)
+    shallow = [[e for e in plans[i] if not (deeper_anchor and is_query_anchor(e, q.query))]
+               for i, q in enumerate(queries)]
+    sent = [i for i, p in enumerate(shallow) if p]
+    found = retriever.retrieve([(queries[i].user_id, shallow[i], queries[i].as_of_position) for i in sent], k) if sent else []
+    candidates: list[list] = [[] for _ in queries]
+    for i, row in zip(sent, found):
+        candidates[i] = row
+    if deeper_anchor:
+        deeper = retriever.retrieve(
+            [(q.user_id, [(q.query.strip(), list(MEMORY_TYPES))], q.as_of_position) for q in queries], anchor_k)
         candidates = [merge_candidates(a, b) for a, b in zip(candidates, deeper)]
     check_no_future(queries, candidates)  # defence in depth: the retriever must already guarantee this
     return candidates
