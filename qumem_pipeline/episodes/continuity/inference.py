@@ -77,8 +77,10 @@ class ContinuityClassifier:
         self.max_len = int(net.cfg.max_len)
         self.use_bf16 = device.type == "cuda"
         self.pad_to_multiple = 8 if device.type == "cuda" else 1
-        self._encoder = None  # the base sentence encoder, loaded when the rule needs it
+        self._encoder = None  # the base sentence encoder (:meth:`sentence_encoder`)
         if rule.needs_similarity:
+            # Loaded here, not at the first pair_cosine: a rule that needs it needs it for every
+            # history, and a missing or broken encoder should fail the load, not a run midway.
             self.sentence_encoder()
 
     # ------------------------------------------------------------------------------------
