@@ -21,8 +21,8 @@ Workload: the decomposition prompts of the example archive's sessions (the stage
   vLLM, `--decode-batch` sequences at once; generated tokens / wall.
 Engine start-up is not timed; each engine runs alone (never beside the other), in its own python.
 ratio_* = llama.cpp / vLLM, both measured in this run. llama.cpp is skipped (with the reason) when
-`--llamacpp-python` is not given; it is not a project dependency (`pip install llama-cpp-python`
-builds it from source, about 13 min on 2 cores).
+`--llamacpp-python` is not given; it is not a project dependency (`pip install "llama-cpp-python[server]"`
+builds it from source, which takes minutes on a small box).
 """
 
 import argparse
