@@ -1,6 +1,7 @@
 """AdaMem assets on the existing tables: persona profiles, then the per-user memory graph that links them."""
 
 import time
+from datetime import datetime, timezone
 
 import dagster as dg
 import polars as pl
@@ -8,11 +9,14 @@ import polars as pl
 from assets.check_results import gate
 from assets.episodes import episodes
 from assets.ingest import turns
+from assets.llm_calls import checkpointed_llm, ledger_metadata, llm_failure
 from assets.memories import memories
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from assets.retrieval import memory_embeddings
 from qumem_pipeline.query.strategies.adamem.graph import EDGE_TYPES, build_memory_graph, dangling_edges
 from qumem_pipeline.contracts.checks import CheckOutcome
+from qumem_pipeline.llm.base import LLMError
+from qumem_pipeline.memories.call_ledger import PERSONA_TABLES
 from qumem_pipeline.query.strategies.adamem.profiles import PROFILE_PROMPT_VERSION, build_profiles, uncited_profiles, vectors_for
 from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
@@ -48,15 +52,27 @@ def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig
     if mems is None or len(layout.users_present("memories", users)) != len(users):
         raise dg.Failure("materialize `memories` for every user of the run first")
     vectors = vectors_for(mems, layout.read_table("memory_embeddings", users), embedder.model)
-    profiles = build_profiles(mems, vectors, llm.backend, previous=layout.read_table("persona_profiles", users))
+    created_at = datetime.now(timezone.utc)
+    calls = checkpointed_llm(layout, PERSONA_TABLES, llm.backend, "persona_profiles", PROFILE_PROMPT_VERSION, created_at)
+    try:
+        profiles = build_profiles(mems, vectors, calls, created_at=created_at,
+                                  previous=layout.read_table("persona_profiles", users))
+    except LLMError as exc:
+        raise llm_failure(exc, calls) from exc
     bad = uncited_profiles(profiles, mems)
     outcome = CheckOutcome(not bad, f"{len(bad)} profile entries cite no or unknown memories", {"violations": len(bad)})
-    check_results, _ = gate(context, {"profiles_cite_existing_memories": outcome},
-                            lambda: layout.replace_users("persona_profiles", users, profiles))
+
+    def publish():
+        layout.replace_users("persona_profiles", users, profiles)
+        layout.replace_or_remove_users(PERSONA_TABLES[1], users, calls.ledger())
+        calls.compact(users)
+
+    check_results, _ = gate(context, {"profiles_cite_existing_memories": outcome}, publish)
     merged = profiles.filter(pl.col("merged_by") == "llm").height
     return dg.MaterializeResult(
         check_results=check_results,
         metadata={"users": len(users), "dagster/row_count": profiles.height, "llm_merges": merged,
+                  **ledger_metadata(calls),
                   "fallbacks": profiles.filter(pl.col("merged_by").str.starts_with("fallback")).height,
                   "prompt_version": PROFILE_PROMPT_VERSION, "seconds": round(time.perf_counter() - t0, 3),
                   **version_metadata("persona_profiles")},

@@ -109,11 +109,39 @@ def cmd_forget(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     instance = _instance()
+    if getattr(args, "verify", False):
+        report = audit_erasure(instance, _defs(), args.user_id, list(args.canary or []))
+        print(json.dumps(report, indent=1))
+        print(json.dumps({"user_found": report["found"], "objects_scanned": report["data_root"]["objects_scanned"]}))
+        return 1 if report["found"] else 0
     result = _defs().resolve_job_def("forget_user_job").execute_in_process(
         instance=instance, run_config={"ops": {"forget_user_op": {"config": {"user_id": args.user_id}}}}
     )
     print(f"forgot {args.user_id}" if result.success else f"forget failed for {args.user_id}")
     return 0 if result.success else 1
+
+
+def audit_erasure(instance, defs, user_id: str, canaries: list[str]) -> dict:
+    """`qumem forget --verify`: the data root's objects, every warehouse, the instance's tables and files."""
+    from assets.erasure import scan_home_files, scan_instance
+    from qumem_pipeline.storage.audit import audit_data_root, audit_warehouse
+    from qumem_pipeline.storage.forget import warehouse_locations
+    from qumem_pipeline.storage.table_store import TableStore
+
+    pipeline = defs.resources["pipeline"]
+    store = TableStore(pipeline.data_root)
+    paths = {p for _, p in warehouse_locations(store)} | {str(pipeline.warehouse().path.absolute())}
+    needles = [user_id, *canaries]
+    report = {
+        "user_id": user_id,
+        "data_root": audit_data_root(pipeline.data_root, user_id, canaries),
+        "warehouses": [audit_warehouse(p, user_id, canaries) for p in sorted(paths)],
+        "instance_tables": scan_instance(instance, needles),
+        "instance_files": scan_home_files(needles),
+    }
+    report["found"] = bool(report["data_root"]["hits"] or any(w["hits"] for w in report["warehouses"])
+                           or report["instance_tables"] or report["instance_files"])
+    return report
 
 
 def cmd_export(args: argparse.Namespace) -> int:

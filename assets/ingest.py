@@ -38,7 +38,6 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
     users = run_user_ids(context)
     t0 = time.perf_counter()
     layout = pipeline.layout()
-    layout.clean_temp_files()
     blocked: dict[str, checks.CheckOutcome] = {}
 
     def before_commit(turns_rows: pl.DataFrame, quarantine_rows: pl.DataFrame) -> None:
@@ -66,6 +65,7 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
     run = layout.read_table("turns", users)
     run = run if run is not None else pl.DataFrame(schema=TURN_POLARS_SCHEMA)
     fps = layout.read_table("fingerprints", users)
+    _record_absent_users(layout, pipeline, users, fps)
     stats = {u: {"turns": 0, "quarantined": 0, "fingerprint": EMPTY_FINGERPRINT} for u in users}
     for row in (fps.iter_rows(named=True) if fps is not None else []):
         stats[row["user_id"]] = {"turns": row["n_turns"], "quarantined": row["n_quarantined"], "fingerprint": row["fingerprint"]}
@@ -101,3 +101,20 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
             **version_metadata("turns"),
         }
     )
+
+
+def _record_absent_users(layout, pipeline: PipelineConfig, users: list[str], fps: pl.DataFrame | None) -> None:
+    """A run user of whom the archive holds no rows and never did (the sync writes every user it
+    touched, one whose files were all withdrawn included, as present and empty) is written present
+    and empty too, so downstream assets write it empty instead of failing: in `turns`, "present,
+    empty" means "nothing here", absent means "not materialized yet". Forgotten users stay absent."""
+    have = set(fps["user_id"].to_list()) if fps is not None else set()
+    absent = [u for u in users if u not in have]
+    if not absent:
+        return
+    forgotten = pipeline.forgotten()
+    absent = [u for u in absent if not forgotten.contains(u)]
+    present = set(layout.users_present("turns", absent)) if absent else set()
+    stray = [u for u in absent if u not in present]
+    if stray:
+        layout.replace_users("turns", stray, pl.DataFrame(schema=TURN_POLARS_SCHEMA))

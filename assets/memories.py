@@ -46,7 +46,9 @@ def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
     kinds={"parquet"},
     description="Typed memories (fact / preference / insight) per episode, with evidence turn ids, "
     "plus the LLM quarantine and the token ledger.",
-    check_specs=[dg.AssetCheckSpec("evidence_inside_episode", asset="memories", blocking=True)],
+    check_specs=[dg.AssetCheckSpec("evidence_inside_episode", asset="memories", blocking=True),
+                 dg.AssetCheckSpec("evidence_turns_exist", asset="memories", blocking=True,
+                                   description="Every evidence turn is one of the user's current turns.")],
 )
 def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource) -> dg.MaterializeResult:
     users = run_user_ids(context)
@@ -54,12 +56,21 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     t0 = time.perf_counter()
     inputs = []
     all_eps = []
+    all_turns = []  # (user_id, turn_index) of the run's users now: what evidence may cite
     for u in users:
+        # A user with no turns (their source files were withdrawn) has present, empty turns and
+        # episodes: no inputs, and publishing writes them empty in every memories table.
         turns_df, eps_df = layout.read_user_table("turns", u), layout.read_user_table("episodes", u)
         if turns_df is None or eps_df is None:
             raise dg.Failure(f"user {u}: materialize `turns` and `episodes` first")
+        stale = set(eps_df["turn_ids"].explode().drop_nulls().to_list()) - set(turns_df["turn_index"].to_list()) \
+            if eps_df.height else set()
+        if stale:
+            raise dg.Failure(f"user {u}: episodes cite {len(stale)} turns that are no longer in `turns` "
+                             "(the archive changed since): materialize `episodes` first")
         inputs.extend(episodes_with_turns(turns_df, eps_df))
         all_eps.append(eps_df.select("episode_id", "turn_ids"))
+        all_turns.append(turns_df.select(pl.lit(u).alias("user_id"), pl.col("turn_index").cast(pl.Int64)))
     context.log.info(f"decomposing {len(inputs)} episodes of {len(users)} users ({3 * len(inputs)} LLM calls)")
     t_llm = time.perf_counter()
     store = CheckpointStore(layout).set_flush_policy(CHECKPOINT_FLUSH_S, CHECKPOINT_FLUSH_CALLS)
@@ -83,7 +94,9 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
         layout.replace_or_remove_users("memory_quarantine", users, out.quarantine)
         store.compact_users({u: out.call_keys_by_user.get(u, set()) for u in users})
 
-    check_results, _ = gate(context, {"evidence_inside_episode": evidence}, publish)
+    turns_now = pl.concat(all_turns) if all_turns else pl.DataFrame(schema={"user_id": pl.String, "turn_index": pl.Int64})
+    outcomes = {"evidence_inside_episode": evidence, "evidence_turns_exist": checks.evidence_turns_exist(out.memories, turns_now)}
+    check_results, _ = gate(context, outcomes, publish)
     s = out.summary
     context.log.info(
         f"decomposed {len(inputs)} episodes: {s['llm_calls']} LLM calls in {llm_s:.1f}s "

@@ -77,6 +77,15 @@ def pack_runs(instance: dg.DagsterInstance, order: list[str], selected: set[str]
     return runs
 
 
+def live_users(registered: list[str], forgotten) -> list[str]:
+    """Registered users minus forgotten ones (`forgotten`: a ForgetRegistry; a forgotten user stays
+    registered only when forget stopped half-way): `plan_rebuild` would otherwise take them for
+    users that left the archive, and they are `qumem forget`'s, never rebuilt."""
+    if forgotten is None or not len(forgotten):
+        return registered
+    return [u for u in registered if not forgotten.contains(u)]
+
+
 # ------------------------------------------------------------------ what the instance says was built
 
 def latest_ids(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: list[str]) -> dict[str, int]:

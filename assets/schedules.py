@@ -3,7 +3,8 @@
 Each tick fingerprints the archive per user (the same function `turns` records), reads the
 fingerprint recorded in each user's latest `turns` materialization from the event log, registers
 new users as partitions and requests `main_job` runs for new/changed users only. Unchanged users
-cost the check and nothing else.
+cost the check and nothing else. A registered user that left the archive (its source files were
+withdrawn) is rebuilt once as empty: every downstream table and the warehouse lose its rows.
 
 Schedules can request one partition or one contiguous partition range per run (the
 `dagster/asset_partition_range_start|end` tags; the subset/backfill form of RunRequest is private
@@ -17,7 +18,7 @@ import os
 import dagster as dg
 
 from assets.partitions import USERS_PER_RUN, register_users, registered_users
-from assets.planning import TURNS_KEY, latest_ids, pack_runs, recorded_fingerprints, recorded_state  # noqa: F401
+from assets.planning import TURNS_KEY, latest_ids, live_users, pack_runs, recorded_fingerprints, recorded_state  # noqa: F401
 from qumem_pipeline.ingest.discovery import discover
 from qumem_pipeline.ingest.incremental import plan_rebuild
 from resources import PipelineConfig
@@ -53,10 +54,11 @@ def build_nightly_schedule(
         found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
         registered = registered_users(context.instance)
         recorded, incomplete = recorded_state(context.instance, registered, final_key)
-        plan = plan_rebuild(found.fingerprints, registered, recorded, incomplete)
+        plan = plan_rebuild(found.fingerprints, live_users(registered, pipeline.forgotten()), recorded, incomplete)
         context.log.info(
             f"nightly check: {len(found.fingerprints)} users, {len(plan.new)} new, "
-            f"{len(plan.changed)} changed or unfinished ({len(incomplete)} unfinished), {len(plan.unchanged)} unchanged"
+            f"{len(plan.changed)} changed or unfinished ({len(incomplete)} unfinished), "
+            f"{len(plan.removed)} left the archive (emptied downstream), {len(plan.unchanged)} unchanged"
         )
         if not plan.to_rebuild:
             return dg.SkipReason(f"all {len(plan.unchanged)} users unchanged since their last materialization")

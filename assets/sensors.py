@@ -1,5 +1,6 @@
 """Discovery sensor: registers users found in the archive and requests range runs for new or
-changed ones (at most QUMEM_USERS_PER_RUN users per run, packed as the nightly schedule packs them).
+changed ones, and for registered users that left it (emptied downstream), at most
+QUMEM_USERS_PER_RUN users per run, packed as the nightly schedule packs them.
 
 What was built lives in the instance (the fingerprints `turns` records), not in the cursor: the
 cursor is one digest of the archive's fingerprints at the last tick, so an unchanged archive
@@ -13,7 +14,7 @@ import hashlib
 import dagster as dg
 
 from assets.partitions import USER_REGISTRY, USERS_PER_RUN, registered_users
-from assets.planning import TURNS_KEY, pack_runs, recorded_state
+from assets.planning import TURNS_KEY, live_users, pack_runs, recorded_state
 from qumem_pipeline.ingest.discovery import discover
 from qumem_pipeline.ingest.incremental import plan_rebuild
 from resources import PipelineConfig
@@ -47,15 +48,17 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
         registered = registered_users(context.instance)
         # New or changed content only: finishing interrupted runs is the nightly schedule's job.
         recorded, _ = recorded_state(context.instance, registered, None)
-        plan = plan_rebuild(found.fingerprints, registered, recorded)
+        plan = plan_rebuild(found.fingerprints, live_users(registered, pipeline.forgotten()), recorded)
         runs = pack_runs(context.instance, registered + plan.new, plan.to_rebuild, users_per_run)
         requests = []
         for run in runs:
-            content = hashlib.sha256("".join(f"{u}:{found.fingerprints[u]}" for u in run.users).encode()).hexdigest()
+            # a user that left the archive has no fingerprint: "gone" + the content it left with
+            content = hashlib.sha256("".join(f"{u}:{found.fingerprints.get(u) or 'gone:' + recorded.get(u, '')}"
+                                             for u in run.users).encode()).hexdigest()
             requests.append(run.run_request(f"{run.first_key}..{run.last_key}:{content[:24]}",
                                             {"qumem/discovered_users": str(len(run.users))}))
         context.log.info(f"{len(found.fingerprints)} users: {len(plan.new)} new, {len(plan.changed)} changed, "
-                         f"{len(requests)} runs requested")
+                         f"{len(plan.removed)} left the archive, {len(requests)} runs requested")
         return dg.SensorResult(
             run_requests=requests,
             dynamic_partitions_requests=[registry.build_add_request(plan.new)] if plan.new else [],

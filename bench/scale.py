@@ -55,7 +55,6 @@ import random
 import sys
 import tempfile
 import time
-import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -79,7 +78,7 @@ from assets.retrieval import memory_embeddings, memory_indexes  # noqa: E402
 from assets.partitions import SCHEME  # noqa: E402
 from assets.schedules import build_nightly_schedule  # noqa: E402
 from assets.sensors import build_discovery_sensor  # noqa: E402
-from qumem_pipeline.cli import install_instance_config  # noqa: E402
+from bench._instance import drop_instance, product_instance  # noqa: E402
 from qumem_pipeline.memories.decompose import MEMORY_SCHEMA, MEMORY_TYPES  # noqa: E402
 from qumem_pipeline.episodes.segmentation import user_pairs  # noqa: E402
 from resources import PipelineConfig  # noqa: E402
@@ -173,47 +172,6 @@ BENCH_ASSETS = {"turns": turns, "episodes": episodes, "memories": synthetic_memo
 
 
 # ------------------------------------------------------------------------------------ one configuration
-
-def _pg_connect(dbname: str):
-    import psycopg2
-
-    return psycopg2.connect(host=os.environ["DAGSTER_PG_HOST"], port=int(os.environ.get("DAGSTER_PG_PORT", "5432")),
-                            user=os.environ["DAGSTER_PG_USER"], password=os.environ.get("DAGSTER_PG_PASSWORD", ""),
-                            dbname=dbname)
-
-
-def _pg_admin(sql: str) -> None:
-    admin = _pg_connect(os.environ["DAGSTER_PG_DB"])
-    admin.autocommit = True
-    try:
-        with admin.cursor() as cur:
-            cur.execute(sql)
-    finally:
-        admin.close()
-
-
-def product_instance(home: Path, kind: str = "sqlite") -> dg.DagsterInstance:
-    """A fresh DAGSTER_HOME set up the way `qumem` sets one up: the repository's dagster.yaml, or
-    (kind="postgres") deploy/postgres/dagster.yaml on a fresh database of the DAGSTER_PG_* server."""
-    os.environ["DAGSTER_HOME"] = str(home)
-    if kind == "sqlite":
-        install_instance_config(home / "dagster.yaml")
-        return dg.DagsterInstance.local_temp(str(home))
-    name = f"qumem_scale_{uuid.uuid4().hex[:10]}"
-    _pg_admin(f'CREATE DATABASE "{name}"')
-    (home / "pg_db").write_text(name)
-    os.environ.setdefault("QUMEM_SCALE_PG_ADMIN_DB", os.environ["DAGSTER_PG_DB"])
-    os.environ["DAGSTER_PG_DB"] = name
-    install_instance_config(home / "dagster.yaml", source=REPO_ROOT / "deploy" / "postgres" / "dagster.yaml")
-    return dg.DagsterInstance.from_config(str(home))
-
-
-def drop_instance(instance: dg.DagsterInstance, home: Path) -> None:
-    instance.dispose()
-    if (home / "pg_db").is_file():
-        os.environ["DAGSTER_PG_DB"] = os.environ["QUMEM_SCALE_PG_ADMIN_DB"]
-        _pg_admin(f'DROP DATABASE IF EXISTS "{(home / "pg_db").read_text()}" WITH (FORCE)')
-
 
 def _execute(job, instance, requests, stages, walls: list | None = None) -> tuple[float, dict, int]:
     """Execute run requests; returns (wall seconds, stage seconds by asset, turns ingested); each run's

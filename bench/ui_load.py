@@ -32,9 +32,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-# Importing these reads no partition scheme (main sets it before bench.scale loads the assets).
+# Importing these reads no partition scheme (main sets it from --scheme before the webserver loads the assets).
 from qumem_pipeline.runtime.processes import free_port, stop_process_group  # noqa: E402
 from tests.browser_harness import CHROMIUM, headless_page  # noqa: E402
+from bench._instance import drop_instance, product_instance  # noqa: E402
 
 SERVER_START_S = 300
 PAGE_TIMEOUT_MS = 300_000
@@ -141,8 +142,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.scheme:
         os.environ["QUMEM_PARTITION_SCHEME"] = args.scheme
-    from bench.scale import drop_instance, product_instance
-
     with tempfile.TemporaryDirectory(prefix="qumem-ui-") as tmp:
         home = Path(tmp) / "home"
         home.mkdir()

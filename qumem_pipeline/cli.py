@@ -135,8 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--users-per-run", type=int, help="users per Dagster run (default 50)")
     sp.set_defaults(func=_dagster_command("ingest"))
 
-    sp = sub.add_parser("forget", help="delete a user from every table, index and the warehouse")
+    sp = sub.add_parser("forget", help="delete a user from every table, index, warehouse and instance record")
     sp.add_argument("user_id")
+    sp.add_argument("--verify", action="store_true",
+                    help="erase nothing: scan the data root, every warehouse and the instance for the id "
+                         "(and --canary texts) and print a JSON report; exit 1 when anything is found")
+    sp.add_argument("--canary", action="append", default=[], help="a text of the user's to search for (repeatable)")
     common(sp, archive=False)
     sp.set_defaults(func=_dagster_command("forget"))
 

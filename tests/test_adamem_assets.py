@@ -48,7 +48,7 @@ def test_query_states_asset_runs_adamem_strategy(tmp_path):
         sent = srv.requests()
     assert res.success
     checks = {e.asset_check_key.name: e.passed for e in res.get_asset_check_evaluations()}
-    assert checks == {"edge_endpoints_exist": True, "no_citation_after_as_of": True}
+    assert checks == {"edge_endpoints_exist": True, "no_citation_after_as_of": True, "evidence_turns_exist": True}
     states = layout.read_user_table("query_states", data.USER)
     rows = {r["query_id"]: r for r in states.iter_rows(named=True)}
     assert set(rows) == {"q-early", "q-late"} and set(states["strategy"]) == {"adamem"}

@@ -37,7 +37,8 @@ def test_plan_rebuild_sorts_users_into_new_changed_unchanged():
     assert plan.new == ["e"]
     assert plan.changed == ["b", "c", "d"]
     assert plan.unchanged == ["a"]
-    assert plan.to_rebuild == {"b", "c", "d", "e"}
+    assert plan.removed == ["gone"]  # left the archive: rebuilt once, as empty
+    assert plan.to_rebuild == {"b", "c", "d", "e", "gone"}
 
 
 def test_contiguous_ranges_hold_only_selected_users_and_respect_the_limit():

@@ -38,7 +38,8 @@ def test_layout_buckets_sorting_and_recorded_bucket_count(tmp_path):
     store.replace_keyed("turns", users, _rows(users[::-1]))  # rows arrive in reverse user order
     dt = DeltaTable(str(tmp_path / "turns"))
     assert dt.metadata().partition_columns == ["user_bucket"]
-    assert len(dt.history()) == 1  # one commit for 40 users
+    # the table is created empty (no rows: a forget's epoch can fence it), then one commit for 40 users
+    assert [h["operation"] for h in dt.history()] == ["WRITE", "CREATE TABLE"]
     files = dt.file_uris()
     assert len(files) == len({user_bucket(u, 8) for u in users}) <= 8  # one file per touched bucket, never per user
     for f in files:  # rows sorted by user inside every file, every row in its own bucket
@@ -98,7 +99,7 @@ def test_replace_users_is_one_commit_and_sparse_tables_drop_users(tmp_path):
     # two commits: the first creates the table with its files (nothing to remove: the add-only
     # path), the second replaces through delta-rs (rows to take out)
     ops = [h["operation"] for h in DeltaTable(str(tmp_path / "quarantine")).history()]
-    assert ops == ["WRITE", "CREATE TABLE"]
+    assert ops == ["WRITE", "WRITE", "CREATE TABLE"]  # created empty, then the rows
     assert layout.store.write_paths == {"add_only": 1, "delta_rs": 1}  # skipped, not raced: no second open
     with pytest.raises(ValueError, match="outside this replace"):
         layout.replace_users("quarantine", ["a"], _rows(["a", "zed"]))
@@ -228,7 +229,7 @@ def test_two_processes_on_disjoint_users_both_land(tmp_path):
     expected = {f"{w}{i}-{j}" for w in "AB" for i in range(12) for j in range(3)} | {"seed"}
     assert set(df["user_id"]) == expected
     assert df.height == 2 * (len(expected) - 1) + 1
-    assert layout.store.version("turns") == 24  # the seed + 12 commits of each writer, none lost
+    assert layout.store.version("turns") == 25  # creation, the seed + 12 commits of each writer, none lost
 
 
 def test_compact_and_vacuum_keep_the_rows(tmp_path):
@@ -272,7 +273,11 @@ def test_failing_blocking_check_commits_nothing(tmp_path, monkeypatch):
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks == {"schema_conforms": True, "quarantine_under_ceiling": False}
     fresh = DataLayout(data)
-    assert fresh.store.version("turns") == version and fresh.read_user_table("turns", "alice").equals(before)
+    # no data commit: the only commits since are the sync's lease fence (no files added or removed)
+    history = fresh.store._open("turns").history()[: fresh.store.version("turns") - version]
+    assert all(not (h.get("operationMetrics") or {}).get("num_added_files")
+               and not (h.get("operationMetrics") or {}).get("num_removed_files") for h in history), history
+    assert fresh.read_user_table("turns", "alice").equals(before)
     assert fresh.read_user_table("quarantine", "alice") is None  # the new bad rows were not published either
     assert run(0.5).success  # a passing check publishes
     assert DataLayout(data).read_user_table("quarantine", "alice").height == 2

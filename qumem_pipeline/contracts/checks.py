@@ -79,3 +79,19 @@ def no_future_citations(states: pl.DataFrame, memories: pl.DataFrame) -> CheckOu
     mem_viol = exploded.join(pos, on="memory_id", how="left").filter(pl.col("position") > pl.col("as_of_position")).height
     n = turn_viol + mem_viol
     return CheckOutcome(n == 0, f"{n} citations after as_of", {"violations": n})
+
+
+def evidence_turns_exist(memories: pl.DataFrame, turns: pl.DataFrame) -> CheckOutcome:
+    """Every turn a memory cites is one of its user's current turns: when a source file is withdrawn
+    or rewritten, a memory set built on the turns it held is not published (or used) again."""
+    if memories.height == 0:
+        return CheckOutcome(True, "no memories", {"violations": 0, "missing_turns": 0})
+    cited = (memories.select("memory_id", "user_id", pl.col("evidence_turn_ids").alias("turn_index"))
+             .explode("turn_index").drop_nulls("turn_index").with_columns(pl.col("turn_index").cast(pl.Int64)))
+    have = turns.select("user_id", pl.col("turn_index").cast(pl.Int64)).unique()
+    missing = cited.join(have, on=["user_id", "turn_index"], how="anti")
+    bad = missing["memory_id"].n_unique()
+    users = sorted(missing["user_id"].unique().to_list())
+    desc = (f"{bad} memories cite {missing.height} turns that no longer exist (users {', '.join(users[:5])}): rebuild "
+            "them from the current turns" if bad else "every evidence turn exists")
+    return CheckOutcome(bad == 0, desc, {"violations": bad, "missing_turns": missing.height, "memories": memories.height})

@@ -5,13 +5,19 @@ Pure decisions (no Dagster), so they are unit-tested on their own:
 * a user needs a rebuild when it is new (no partition yet), was never materialized, its archive
   fingerprint differs from the one recorded at its last `turns` materialization, or its last run
   stopped part-way (the job's final asset is older than its `turns`);
+* a registered user that left the archive (every source file holding their rows was withdrawn, or
+  all their rows are now quarantined) is rebuilt too, once: the run writes them as present and
+  empty in every downstream table and the warehouse, and records the empty fingerprint, so the
+  next night sees them as unchanged (deleting the user and their partition is `qumem forget`'s job);
 * Dagster schedules can launch one partition or one contiguous partition *range* per run
   (`dagster/asset_partition_range_start|end`), so the users to rebuild are packed into maximal
   ranges of the partition order that contain only those users, each at most `max_per_run` long.
   An unchanged user inside the order splits a range: it is never rebuilt as a side effect.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from qumem_pipeline.ingest.archive import EMPTY_FINGERPRINT
 
 # Fingerprints are recorded in run metadata as this many hex characters (64 bits): enough to tell
 # content apart, small enough that a run's metadata stays small.
@@ -26,11 +32,12 @@ def recorded_form(fingerprint: str) -> str:
 class RebuildPlan:
     new: list[str]  # in the archive, no partition yet (sorted)
     changed: list[str]  # partition exists; content differs or never materialized (sorted)
-    unchanged: list[str]
+    unchanged: list[str]  # includes users that left the archive and were already emptied
+    removed: list[str] = field(default_factory=list)  # registered, gone from the archive, not yet emptied (sorted)
 
     @property
     def to_rebuild(self) -> set[str]:
-        return set(self.new) | set(self.changed)
+        return set(self.new) | set(self.changed) | set(self.removed)
 
 
 def unfinished(turns_ids: dict[str, int], final_ids: dict[str, int]) -> set[str]:
@@ -49,15 +56,21 @@ def plan_rebuild(
 
     `recorded` maps user -> recorded fingerprint (`recorded_form`); a registered user missing from it
     was never materialized (or its run failed) and is rebuilt, as is every user in `incomplete`.
-    Users that left the archive are not touched: deleting data is `qumem forget`'s job.
+    A registered user absent from `current` left the archive: it is `removed` (rebuilt as empty)
+    unless its last finished materialization already recorded the empty fingerprint. Pass
+    `registered` without forgotten users: they are `qumem forget`'s, never rebuilt.
     """
     known = set(registered)
     new = sorted(u for u in current if u not in known)
-    changed, unchanged = [], []
+    changed, unchanged, removed = [], [], []
     for u in sorted(u for u in current if u in known):
         same = recorded.get(u) == recorded_form(current[u]) and u not in incomplete
         (unchanged if same else changed).append(u)
-    return RebuildPlan(new=new, changed=changed, unchanged=unchanged)
+    emptied = recorded_form(EMPTY_FINGERPRINT)
+    for u in sorted(known - set(current)):
+        done = recorded.get(u) == emptied and u not in incomplete
+        (unchanged if done else removed).append(u)
+    return RebuildPlan(new=new, changed=changed, unchanged=sorted(unchanged), removed=removed)
 
 
 def contiguous_ranges(order: list[str], selected: set[str], max_per_run: int) -> list[list[str]]:

@@ -160,7 +160,8 @@ def sync_archive(
 def _exclusive(layout):
     """One sync at a time per data root (two would rebuild the same users): a file lock among this
     machine's processes, then the root's ingest lease among hosts (storage/lease.py) when the
-    layout is the table store. Yields the lease (None without a store): check it before writes."""
+    layout is the table store, its fence on the store's commits while held. Yields the lease
+    (None without a store): check it before writes."""
     key = hashlib.sha256(str(getattr(layout, "root", id(layout))).encode()).hexdigest()[:16]
     with open(Path(tempfile.gettempdir()) / f"qumem-ingest-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -168,9 +169,11 @@ def _exclusive(layout):
         if store is None:
             yield None
             return
-        from qumem_pipeline.storage.lease import held
+        from qumem_pipeline.storage.lease import fenced, held
 
-        with held(store.root, "ingest", storage_options=store.storage_options) as lease:
+        # fenced: every commit of the sync carries the lease's fencing token (a holder that lost
+        # the lease, even one paused past its ttl, commits nothing: storage/lease.py)
+        with held(store.root, "ingest", storage_options=store.storage_options) as lease, fenced(lease, store):
             yield lease
 
 

@@ -10,6 +10,10 @@ version, the model id and the configured max_tokens (a request is sent with twic
 served stale. When a user's memories are written, `compact` replaces the user's rows with only the
 keys still in use; they stay as a result cache (a rerun after a later-stage crash repeats no call),
 and, being rows of a user-keyed table, they go with `forget`.
+
+The same store keeps the finished calls of the later LLM stages (persona merges, the query agents),
+each asset in its own table (`CheckpointStore(layout, table=...)`, see `memories.call_ledger`), keyed
+by `request_call_key`: a table is compacted by the one asset that writes it.
 """
 
 import hashlib
@@ -50,6 +54,18 @@ def call_key(user_id: str, episode_id: str, mem_type: str, messages: list[dict[s
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
+def request_call_key(user_id: str, stage: str, model: str, decoding: dict[str, Any], schema_name: str,
+                     json_schema: dict | None, decoding_schema: dict | None, messages: list[dict[str, str]],
+                     max_tokens: int, occurrence: int = 0) -> str:
+    """Content key of one call of a later stage (`call_ledger`): the user, the stage, the model id, the
+    decoding parameters (temperature, seed, max_tokens), the output schemas and a digest of the prompt;
+    `occurrence` tells apart the same request sent again in one run (the retry after unusable output)."""
+    prompt = hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+    blob = json.dumps([user_id, stage, model, decoding, int(max_tokens), schema_name, json_schema, decoding_schema,
+                       prompt, int(occurrence)], sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
 @dataclass
 class CallOutcome:
     """The final result of one (episode, type) call, fresh or restored."""
@@ -84,11 +100,13 @@ class CallOutcome:
 
 
 class CheckpointStore(BufferedRecorder):
-    """Finished calls as rows of the user-keyed `memory_checkpoints` table under the data root; `record`/`flush`
-    (BufferedRecorder) take one finished call at a time and write them in small groups through `append`."""
+    """Finished calls as rows of a user-keyed table under the data root (`memory_checkpoints` unless told);
+    `record`/`flush` (BufferedRecorder) take one finished call at a time and write them in small groups
+    through `append`."""
 
-    def __init__(self, root: "str | os.PathLike | DataLayout") -> None:
+    def __init__(self, root: "str | os.PathLike | DataLayout", table: str = TABLE) -> None:
         self.layout = root if isinstance(root, DataLayout) else DataLayout(root)
+        self.table = table
         self._run = f"{time.time_ns()}-{os.getpid()}"
         self.unreadable: list[str] = []
 
@@ -96,9 +114,9 @@ class CheckpointStore(BufferedRecorder):
         """Every finished call of these users, by key (a later append wins). An unreadable table is
         skipped, recorded in `unreadable` (its calls rerun): it is a cache, losing it costs calls only."""
         try:
-            df = self.layout.read_table(TABLE, list(user_ids))
+            df = self.layout.read_table(self.table, list(user_ids))
         except Exception:  # noqa: BLE001 - a cache: losing it costs calls, not correctness
-            self.unreadable.append(self.layout.table_dir(TABLE))
+            self.unreadable.append(self.layout.table_dir(self.table))
             return {}
         out: dict[str, CallOutcome] = {}
         if df is not None:
@@ -110,7 +128,7 @@ class CheckpointStore(BufferedRecorder):
         """Record these finished calls (all users) in one commit; returns the table version."""
         if not outcomes:
             return -1
-        return self.layout.store.append(TABLE, self._frame(outcomes))
+        return self.layout.store.append(self.table, self._frame(outcomes))
 
     def compact(self, user_id: str, keep_keys: set[str]) -> int:
         """Keep only `keep_keys` of the user's checkpoints (one row per key)."""
@@ -122,7 +140,7 @@ class CheckpointStore(BufferedRecorder):
             return -1
         loaded = self.load(sorted(keep_by_user))
         rows = [o for k, o in sorted(loaded.items()) if k in keep_by_user.get(o.user_id, set())]
-        return self.layout.replace_or_remove_users(TABLE, sorted(keep_by_user), self._frame(rows))
+        return self.layout.replace_or_remove_users(self.table, sorted(keep_by_user), self._frame(rows))
 
     @staticmethod
     def _frame(rows: list[CallOutcome]) -> pl.DataFrame:

@@ -64,6 +64,7 @@ from qumem_pipeline.memories.prompts import (  # noqa: F401
 # every other call had finished (issue 18: a 721-token retry, 125 s of the bench's 536 s stage). A call
 # cut at the full budget is not retried: greedy decoding would repeat the cut.
 LENGTH_BUDGET_FACTOR = 2
+STAGE = "decompose"  # the `stage` of this stage's `llm_ledger` rows
 
 
 def call_budget(max_tokens: int) -> int:
@@ -264,7 +265,7 @@ class _CallRunner:
             "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
             "cached_tokens": res.cached_tokens, "shared_prefix_tokens": shared, "latency_s": res.latency_s,
             "transport_attempts": res.attempts, "backend": self.backend.backend_name, "model": self.model,
-            "prompt_version": self.prompt_version,
+            "prompt_version": self.prompt_version, "stage": STAGE,
         }
 
 
@@ -277,7 +278,9 @@ def _assemble(eps: list[Episode], keys: list[str], outcomes: dict[str, CallOutco
     ledger: list[dict[str, Any]] = []
     for k in keys:
         o = outcomes[k]
-        ledger.extend({**row, "code_version": code_version, "created_at": o.created_at} for row in o.ledger)
+        # a call checkpointed before ledger rows named their stage is a decomposition call all the same
+        ledger.extend({**row, "stage": row.get("stage") or STAGE, "code_version": code_version,
+                       "created_at": o.created_at} for row in o.ledger)
         stats.calls += len(o.ledger)
         stats.retries += sum(1 for row in o.ledger if row["status"] == "retried")
         if o.status == "ok":

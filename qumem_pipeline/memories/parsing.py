@@ -63,6 +63,9 @@ LEDGER_SCHEMA = pl.Schema(
         "backend": pl.String,
         "model": pl.String,
         "prompt_version": pl.String,
+        # which LLM stage paid for the call: decompose | persona_merge | a1 | a2 | a3 | research | qa
+        # (null in rows written before the column existed: all of them decompose)
+        "stage": pl.String,
         "code_version": pl.String,
         "created_at": pl.Datetime("us", "UTC"),
     }

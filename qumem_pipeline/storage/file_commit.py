@@ -89,10 +89,12 @@ def write_files(df: pl.DataFrame, fs: pafs.FileSystem, table_path: str, *, key: 
                 continue
             rel = f"{bucket}={b}/part-{i:05d}-{uuid.uuid4()}-c000.{CODEC}.parquet"
             path = f"{table_path}/{rel}"
-            if local:
+            if local:  # staged as <name>#q like delta-rs (`<name>#N`): a data file name is always complete
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                piece.write_parquet(path, compression=CODEC, compression_level=CODEC_LEVEL,
+                staging = f"{path}#q"
+                piece.write_parquet(staging, compression=CODEC, compression_level=CODEC_LEVEL,
                                     row_group_size=row_group_rows, statistics=True)
+                os.replace(staging, path)
                 size = os.path.getsize(path)
             else:
                 buf = io.BytesIO()

@@ -1,87 +1,225 @@
-"""Forgetting a user: remove them from every table, index and the warehouse, and keep them out.
+"""Forgetting a user: out of every table, log, file and warehouse, and kept out while runs go on.
 
-Deleting rows from a Delta table only writes new files without them: the old files stay for time
-travel until vacuum. So forget deletes the user's rows from every table, then vacuums every table
-with zero retention (every unreferenced file removed, orphans of killed writers included) and
-expires the transaction log (older commits name the users they touched): afterwards no object of
-the data root holds the user's data.
-
-The archive a user came from usually still exists (it is the source system's data), so a
-forgotten user would reappear at the next discovery. The registry keeps an unsalted
-sha256 of each forgotten id (not the id itself), as rows of the `forgotten_users` table, and
-ingest/discovery skip matching users.
+The order is what makes a forget linearizable with concurrent runs (ARCHITECTURE.md, "Erasure and
+concurrency"):
+1. a keyed tombstone row is appended to the registry (`storage/tombstones.py`): from here on every
+   commit of every writer drops the user's rows (`TableStore` reads the registry after its snapshot);
+2. per table: the erase epoch is bumped (a metadata commit, so any in-flight commit on an older
+   snapshot fails and is retried against the registry), then the user's rows are deleted;
+3. per table: the files that hold the user and that the latest version does not reference (the
+   deleted files, and untracked files of writers whose commit can no longer land) are removed
+   from the user's bucket only, after waiting for delta-rs' staging files there to settle; no
+   other writer's file is touched, so no live writer loses a file it is about to commit;
+4. per table: a fresh checkpoint is written and every log entry that names the user (add stats,
+   predicates) is rewritten without user ids, older checkpoints removed; commit files are never
+   deleted, so a writer's conflict check always finds the commits it must read;
+5. every warehouse the data root has ever loaded (recorded in the `warehouse_locations` table) has
+   the user deleted and its file rewritten; one this host cannot reach fails the forget (rerun it
+   where it can: every step is idempotent).
+The Dagster instance is scrubbed by the Dagster layer (`assets/forget.py`).
 """
 
-import hashlib
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import polars as pl
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
+from qumem_pipeline.contracts.buckets import user_bucket
 from qumem_pipeline.contracts.ids import validate_user_id
-from qumem_pipeline.storage.table_store import TableStore, is_uri
+from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.storage.table_store import TableStore, _log_moved, is_uri
+from qumem_pipeline.storage.tombstones import READMIT, REGISTRY_TABLE, Tombstones
+from qumem_pipeline.storage.warehouse_locations import (WAREHOUSE_LOCATIONS, _host, record_warehouse,
+                                                         warehouse_locations)
 
-REGISTRY_TABLE = "forgotten_users"
-REGISTRY_KEY = "_registry"  # the registry is one partition key, not a user
-LEGACY_REGISTRY = Path("_meta") / "forgotten.json"  # before the table store
-# Files outside the log (a killed writer's orphans, or a live writer's not yet committed) younger
-# than this survive forget's vacuum. 0 = strict erasure; a run writing while forget vacuums then
-# fails its reads of the touched bucket until rerun. Raise it where forgets overlap runs.
-ORPHAN_GRACE_HOURS = int(os.environ.get("QUMEM_FORGET_ORPHAN_GRACE_HOURS", "0"))
+LEGACY_REGISTRY = Path("_meta") / "forgotten.json"  # before the table store (storage/migrate.py)
+
+
+class StoreUnreachable(RuntimeError):
+    """A store that holds (or may hold) the user could not be reached: the forget is not complete."""
 
 
 def _digest(user_id: str) -> str:
+    """The pre-HMAC tombstone (plain sha256): still matched, never written for a new forget."""
+    import hashlib
+
     return hashlib.sha256(user_id.encode("utf-8")).hexdigest()
 
 
 class ForgetRegistry:
+    """The registry as ingest and discovery use it (a thin view over `Tombstones`)."""
+
     def __init__(self, root: str | os.PathLike):
         self.store = TableStore(root)
-        df = self.store.read(REGISTRY_TABLE, [REGISTRY_KEY])
-        self._digests: set[str] = set() if df is None else set(df.filter(~df["user_placeholder"])["digest"].to_list())
+        self.tombstones = self.store.tombstones()
+        self.tombstones.refresh()
         legacy = None if is_uri(root) else Path(root) / LEGACY_REGISTRY
-        if legacy is not None and legacy.exists():
-            self._digests |= set(json.loads(legacy.read_text()))
+        self._legacy = set(json.loads(legacy.read_text())) if legacy is not None and legacy.exists() else set()
 
     def __len__(self) -> int:
-        return len(self._digests)
+        return len(self.tombstones) + len(self._legacy)
 
     def contains(self, user_id: str | None) -> bool:
-        return user_id is not None and _digest(user_id) in self._digests
+        if user_id is None:
+            return False
+        if self._legacy:
+            import hashlib
+
+            if hashlib.sha256(user_id.encode("utf-8")).hexdigest() in self._legacy:
+                return True
+        return bool(self.tombstones.forgotten_among([user_id], refresh=False))
 
     def add(self, user_id: str) -> None:
         validate_user_id(user_id)
-        self._digests.add(_digest(user_id))
-        self._save()
+        self.tombstones.record([user_id])
+        self.tombstones.refresh()
+
+    def add_legacy_digests(self, digests: list[str]) -> None:
+        """Carry a pre-table registry's sha256 digests over (storage/migrate.py), as legacy rows."""
+        from datetime import datetime, timezone
+
+        from qumem_pipeline.storage.tombstones import FORGET, LEGACY_KEY_ID, REGISTRY_KEY, SCHEMA
+
+        now = datetime.now(timezone.utc)
+        df = pl.DataFrame([{"digest": d, "key_id": LEGACY_KEY_ID, "action": FORGET, "at": now} for d in digests],
+                          schema=SCHEMA).with_columns(pl.lit(REGISTRY_KEY).alias("_owner"))
+        if df.height:
+            self.tombstones.store.append(REGISTRY_TABLE, df, key_column="_owner", guarded=False)
+        self.tombstones.refresh()
 
     def remove(self, user_id: str) -> None:
         """Re-admit a user (e.g. they re-consented); their data comes back on the next ingest."""
-        self._digests.discard(_digest(user_id))
-        if self._digests or self.store.exists(REGISTRY_TABLE):
-            self._save()
-
-    def digests(self) -> list[str]:
-        return sorted(self._digests)
-
-    def _save(self) -> None:
-        df = pl.DataFrame({"digest": sorted(self._digests)}, schema={"digest": pl.String})
-        self.store.replace(REGISTRY_TABLE, {REGISTRY_KEY: df})
+        validate_user_id(user_id)
+        self.tombstones.record([user_id], action=READMIT)
+        self.tombstones.refresh()
 
 
-def forget_user(data_root: str | os.PathLike, warehouse_path: str | os.PathLike, user_id: str) -> dict:
-    """Delete every trace of `user_id` under the data root and in the warehouse; record the tombstone."""
-    from qumem_pipeline.storage.layout import DataLayout
+# ---------------------------------------------------------------------------------------- tables
+def remove_unreferenced_files(store: TableStore, table: str, user_id: str) -> list[str]:
+    """See `TableStore.remove_dead_files` (also run by a writer or delete whose commit failed)."""
+    return store.remove_dead_files(table, [user_id])
+
+
+def scrub_log(store: TableStore, table: str, needles: list[str]) -> int:
+    """Checkpoint the latest version, rewrite every commit file that names a needle without any
+    user id (add/remove statistics and operation predicates dropped: whole files, so two forgets
+    rewriting one file concurrently both leave it clean), and remove the older checkpoints.
+    Commit files stay (a writer's conflict check reads them; a missing one would let a stale writer
+    re-create it). Returns the files rewritten."""
+    for attempt in range(20):  # another forget may replace the checkpoint this load started from
+        dt = store._open(table)
+        if dt is None:
+            return 0
+        try:
+            dt.create_checkpoint()
+            break
+        except Exception as exc:  # noqa: BLE001
+            if not _log_moved(exc) or attempt == 19:
+                raise
+            store._tables.pop(table, None)
+            time.sleep(0.05 * (attempt + 1))
+    fs, base = store.filesystem()
+    log = f"{base}/{table}/_delta_log"
+    infos = fs.get_file_info(pafs.FileSelector(log, allow_not_found=True))
+    latest_cp = max((int(i.base_name.split(".")[0]) for i in infos if ".checkpoint." in i.base_name), default=-1)
+    rewritten = 0
+    for info in infos:
+        if info.type != pafs.FileType.File:
+            continue
+        if ".checkpoint." in info.base_name and int(info.base_name.split(".")[0]) < latest_cp:
+            fs.delete_file(info.path)
+            continue
+        if not info.base_name.endswith(".json") or info.base_name.startswith("_"):
+            continue
+        with fs.open_input_stream(info.path) as f:
+            text = f.read().decode("utf-8")
+        if not any(n in text for n in needles):
+            continue
+        clean = "\n".join(_scrub_line(line) for line in text.splitlines()) + "\n"
+        if any(n in clean for n in needles):
+            raise RuntimeError(f"{info.path}: a user id survives the log scrub (unknown action)")
+        _atomic_put(fs, info.path, clean.encode("utf-8"))
+        rewritten += 1
+    return rewritten
+
+
+def _scrub_line(line: str) -> str:
+    if not line.strip():
+        return line
+    action = json.loads(line)
+    for kind, body in action.items():
+        if kind == "commitInfo":
+            body.pop("operationParameters", None)
+            for k in [k for k in body if k.startswith("qumem.") and k not in ("qumem.operation", "qumem.users")]:
+                body.pop(k)
+        elif kind in ("add", "remove"):
+            body.pop("stats", None)
+            body.pop("tags", None)
+    return json.dumps(action, separators=(",", ":"))
+
+
+def _atomic_put(fs, path: str, data: bytes) -> None:
+    if isinstance(fs, pafs.LocalFileSystem):
+        tmp = f"{path}.scrub-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    else:  # an object PUT replaces the whole object atomically
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+
+
+def erase_from_tables(store: TableStore, user_id: str) -> dict:
+    report = {"tables": [], "rows_deleted": {}, "files_removed": {}, "log_files_rewritten": {}}
+    for t in store.tables():
+        if t in (REGISTRY_TABLE, WAREHOUSE_LOCATIONS):
+            continue
+        store.n_buckets = None  # erase from every table, whatever bucket count it was made with
+        store.bump_erase_epoch(t)
+        rows = store.delete(t, [user_id])
+        files = remove_unreferenced_files(store, t, user_id)
+        scrubbed = scrub_log(store, t, [user_id])
+        if rows or files or scrubbed:
+            report["tables"].append(t)
+        report["rows_deleted"][t], report["files_removed"][t], report["log_files_rewritten"][t] = rows, len(files), scrubbed
+    return report
+
+
+# ---------------------------------------------------------------------------------------- warehouses
+def erase_from_warehouses(store: TableStore, configured: str | os.PathLike | None, user_id: str) -> dict:
+    """Delete the user from every warehouse this root has loaded, and the configured one."""
     from qumem_pipeline.storage.warehouse import Warehouse
 
+    targets = warehouse_locations(store)
+    if configured is not None:
+        targets.add((_host(), str(Path(configured).absolute())))
+    out, unreachable = {}, []
+    for host, path in sorted(targets):
+        if host != _host():
+            unreachable.append(f"{path} on host {host}")
+            continue
+        out[path] = Warehouse(path).delete_user(user_id)  # a missing file holds nothing
+    if unreachable:
+        raise StoreUnreachable(
+            "forget is not complete: warehouse(s) " + "; ".join(unreachable) + f" cannot be reached from {_host()}. "
+            "The tables are erased; rerun the same forget on that host (QUMEM_HOST_ID names a host) to finish")
+    return out
+
+
+def forget_user(data_root: str | os.PathLike, warehouse_path: str | os.PathLike | None, user_id: str) -> dict:
+    """Delete every trace of `user_id` under the data root and in every warehouse; keep the tombstone."""
     validate_user_id(user_id)
-    ForgetRegistry(data_root).add(user_id)
-    layout = DataLayout(data_root)
-    tables = layout.delete_user(user_id)
-    vacuumed = {}
-    for t in layout.tables():  # every table: a killed writer's orphan file may hold the user anywhere
-        vacuumed[t] = len(layout.store.vacuum(t, retention_hours=0, orphans_grace_hours=ORPHAN_GRACE_HOURS))
-        layout.store.expire_log(t)
-    deleted_rows = Warehouse(warehouse_path).delete_user(user_id)
-    return {"removed_dirs": tables, "tables": tables, "files_vacuumed": vacuumed,
-            "warehouse_rows_deleted": deleted_rows}
+    store = TableStore(data_root)
+    tombs = store.tombstones()
+    tombs.refresh()
+    if not tombs.forgotten_among([user_id], refresh=False):  # a rerun adds no second row
+        tombs.record([user_id])
+    report = erase_from_tables(store, user_id)
+    report["warehouse_rows_deleted"] = erase_from_warehouses(store, warehouse_path, user_id)
+    report["removed_dirs"] = report["tables"]
+    return report

@@ -174,8 +174,3 @@ class DataLayout:
 
     def compact(self) -> dict[str, dict]:
         return {t: self.store.compact(t) for t in self.tables()}
-
-    def clean_temp_files(self) -> int:
-        """Kept for callers: Delta writes leave no temp files to clean (a killed writer's orphan data
-        files are outside the log, never read, and removed by `vacuum`)."""
-        return 0

@@ -113,7 +113,6 @@ def migrate_storage(old_root: str | os.PathLike, new_root: str | os.PathLike, n_
     legacy = old / LEGACY_REGISTRY
     if legacy.exists():
         registry = ForgetRegistry(new_root)
-        registry._digests |= set(json.loads(legacy.read_text()))
-        registry._save()
+        registry.add_legacy_digests(json.loads(legacy.read_text()))
         report["forgotten_users"] = {"digests": len(registry)}
     return report

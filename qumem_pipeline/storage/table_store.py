@@ -16,6 +16,17 @@ Store-owned columns (dropped on read by `DataLayout`; external readers filter `N
 `replace` is one Delta commit per call (`write_deltalake(mode="overwrite", predicate=...)`: the
 users' old rows out, the new rows in), so a writer killed mid-write leaves the previous version;
 concurrent commits on disjoint users both land (delta-rs' conflict checker, plus our retry).
+
+Erasure at commit time (ARCHITECTURE.md, "Erasure and concurrency"): every write opens its snapshot
+of the table, THEN reads the forget registry (`storage/tombstones.py`) and drops the rows of users
+forgotten as of that read. A forget bumps each table's erase epoch (a metadata commit) before it
+deletes the user, and delta-rs fails any commit whose snapshot predates a metadata change, so a
+write either saw the tombstone or lands before the forget's delete, never after it with the
+user's rows. A new table is first created empty (a commit with no rows) for the same reason.
+Fencing: a lease holder sets `fence = (app_id, seq)`; each of its commits carries that Delta
+application transaction and refuses to commit on a snapshot where a newer holder's fence landed
+(a commit racing one fails on delta-rs' concurrent-transaction check), so a holder that lost its
+lease commits nothing.
 Credentials for object stores come from the environment as delta-rs reads them (AWS_*, GOOGLE_*,
 AZURE_*); on S3, delta-rs >= 1.0 commits with conditional puts, so no locking provider is needed.
 """
@@ -37,6 +48,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.transaction import Transaction
 
 from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
 from qumem_pipeline.storage.file_commit import commit_append, commit_new_table, fast_path_ok, may_hold, write_files
@@ -50,7 +62,7 @@ WRITTEN, SKIPPED, RACED = "add_only", "delta_rs", "add_only_raced"
 COMMIT_RETRIES = int(os.environ.get("QUMEM_COMMIT_RETRIES", "20"))
 TARGET_FILE_SIZE = int(os.environ.get("QUMEM_TARGET_FILE_BYTES", str(256 * 1024 * 1024)))
 _TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-_STAGING = re.compile(r"\.parquet#\d+$")  # object_store's local staging name for a file being written
+_STAGING = re.compile(r"\.parquet#(\d+|q)$")  # a local file being written (delta-rs: #N, file_commit: #q)
 # Row groups of a few thousand rows: files are sorted by user_key, so a read of a few users decodes
 # about one row group per user (row-group statistics prune the rest) whatever the file size:
 # reading 100 users costs the same at 1M and 10M rows (bench/ingest.py read_ratio_10m_vs_1m).
@@ -64,6 +76,10 @@ class SchemaEvolutionError(ValueError):
 
 class BucketMismatchError(ValueError):
     """The deployment's bucket count differs from the one a table was created with."""
+
+
+class FencedOut(RuntimeError):
+    """A newer lease holder's fence is on the table: this writer lost its lease and must not commit."""
 
 
 def configured_buckets() -> int | None:
@@ -108,6 +124,23 @@ class TableStore:
         self.storage_options = storage_options
         self._tables: dict[str, DeltaTable] = {}
         self.write_paths: Counter = Counter()  # WRITTEN / SKIPPED / RACED per write this process made
+        self.fence: tuple[str, int] | None = None  # (lease app id, holder's seq): see the module docstring
+        self.dropped_forgotten: Counter = Counter()  # table -> writes that dropped a forgotten user's rows
+        self._tombstones = None
+
+    def plain_handle(self) -> "TableStore":
+        """Another handle on the same root with no bucket count of its own (for root-level registries)."""
+        store = TableStore(self.root, storage_options=self.storage_options)
+        store.n_buckets = None
+        return store
+
+    def tombstones(self):
+        """The forget registry of this root (read fresh at each write's commit)."""
+        if self._tombstones is None:
+            from qumem_pipeline.storage.tombstones import Tombstones
+
+            self._tombstones = Tombstones(self)
+        return self._tombstones
 
     # ------------------------------------------------------------------ naming and handles
     def uri(self, table: str) -> str:
@@ -116,18 +149,26 @@ class TableStore:
         return f"{self.root}/{table}"
 
     def _open(self, table: str) -> DeltaTable | None:
-        dt = self._tables.get(table)
-        try:
-            if dt is None:
-                dt = DeltaTable(self.uri(table), storage_options=self.storage_options)
-                self._check_buckets(table, dt)
-                self._tables[table] = dt
-            else:
-                dt.update_incremental()
-        except TableNotFoundError:
-            self._tables.pop(table, None)
-            return None
-        return dt
+        for attempt in range(COMMIT_RETRIES):
+            dt = self._tables.get(table)
+            try:
+                if dt is None:
+                    dt = DeltaTable(self.uri(table), storage_options=self.storage_options)
+                    self._check_buckets(table, dt)
+                    self._tables[table] = dt
+                else:
+                    dt.update_incremental()
+                return dt
+            except TableNotFoundError:
+                self._tables.pop(table, None)
+                return None
+            except (DeltaError, OSError) as exc:
+                # a forget's checkpoint replaced the one this load started from: load again
+                if not _log_moved(exc) or attempt == COMMIT_RETRIES - 1:
+                    raise
+                self._tables.pop(table, None)
+                _backoff(attempt)
+        return None  # pragma: no cover
 
     def exists(self, table: str) -> bool:
         return self._open(table) is not None
@@ -276,15 +317,16 @@ class TableStore:
             return -1  # nothing to remove from a table that does not exist
         return self._write(table, users, frames, empty, rows, "replace")
 
-    def append(self, table: str, rows: pl.DataFrame, key_column: str = "user_id") -> int:
-        """Add rows (keyed by `key_column`) without touching existing ones: one commit (checkpoints)."""
+    def append(self, table: str, rows: pl.DataFrame, key_column: str = "user_id", guarded: bool = True) -> int:
+        """Add rows (keyed by `key_column`) without touching existing ones: one commit (checkpoints).
+        `guarded=False` only for the forget registry itself (its rows are tombstones, not users)."""
         if not rows.height:
             return -1
         keys = rows.get_column(key_column).cast(pl.String)
         if keys.null_count():
             raise ValueError(f"table {table}: {keys.null_count()} rows without {key_column}")
         users = sorted(keys.unique().to_list())
-        return self._write(table, users, [rows.with_columns(keys.alias(KEY))], [], rows, "append")
+        return self._write(table, users, [rows.with_columns(keys.alias(KEY))], [], rows, "append", guarded=guarded)
 
     def delete(self, table: str, users: Iterable[str]) -> int:
         """Delete every row of `users` (one commit); returns rows deleted."""
@@ -295,14 +337,98 @@ class TableStore:
         pred = self._predicate(users, int(self._meta(dt)["user_buckets"]))
         for attempt in range(COMMIT_RETRIES):
             try:
-                res = dt.delete(pred, writer_properties=_WRITER)
+                commit = self._commit_properties(dt, {"qumem.operation": "delete", "qumem.users": str(len(users))})
+                res = dt.delete(pred, writer_properties=_WRITER, commit_properties=commit)
                 return int(res.get("num_deleted_rows", 0) or 0)
-            except (CommitFailedError, DeltaError) as exc:
+            except (CommitFailedError, DeltaError, OSError) as exc:
+                # a failed delete's rewritten files hold the bucket's other users, a forgotten one among them maybe
+                self.remove_dead_files(table, users)
                 if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
                     raise
                 _backoff(attempt)
-                dt.update_incremental()
+                self._tables.pop(table, None)
+                dt = self._open(table)
+                if dt is None:
+                    return 0
         return 0  # pragma: no cover
+
+    def remove_dead_files(self, table: str, users: Iterable[str]) -> list[str]:
+        """In the buckets of `users`: files the latest version does not reference that hold a row of
+        any forgotten user (as of the registry's latest version).
+
+        Safe beside live writers: once a user is forgotten (epoch bumped, rows deleted) no commit can
+        add a file with their rows (an older snapshot fails on the epoch, a newer one dropped the
+        rows), so such a file is dead whoever wrote it: a killed writer, a commit that failed, or a
+        concurrent forget's delete that rewrote a file on a stale snapshot. Waits for the buckets'
+        staging files to settle first. Files without forgotten users are left to maintenance's vacuum."""
+        dt = self._open(table)
+        if dt is None:
+            return []
+        n = int(self._meta(dt)["user_buckets"])
+        fs, base = self.filesystem()
+        gone = []
+        for b in sorted({user_bucket(u, n) for u in users}):
+            gone += self._remove_dead_in(table, fs, base, f"{base}/{table}/{BUCKET}={b}")
+        return gone
+
+    def _remove_dead_in(self, table: str, fs, base: str, bucket_dir: str) -> list[str]:
+        deadline = time.monotonic() + STAGING_WAIT_S
+        while True:
+            infos = fs.get_file_info(pafs.FileSelector(bucket_dir, allow_not_found=True))
+            live = [i for i in infos if "#" in i.base_name and i.mtime is not None
+                    and time.time() - i.mtime.timestamp() < STAGING_STALL_S]
+            if not live:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{bucket_dir}: a writer kept staging files for {STAGING_WAIT_S:.0f}s")
+            time.sleep(0.5)
+        dt = self._open(table)
+        referenced = {unquote(f"{base}/{table}/{p}") for p in dt.get_add_actions(flatten=True).column("path").to_pylist()}
+        gone = []
+        for info in infos:
+            if info.type != pafs.FileType.File or info.path in referenced:
+                continue
+            keys = None if "#" in info.base_name else _file_keys(fs, info.path)
+            if keys is not None and not self.tombstones().forgotten_among(keys):
+                continue
+            try:
+                fs.delete_file(info.path)
+            except FileNotFoundError:
+                continue
+            gone.append(info.path[len(base) + 1:])
+        return gone
+
+    def _commit_properties(self, dt: DeltaTable, custom: dict[str, str]) -> CommitProperties:
+        """Commit metadata, plus the lease fence when this store writes as a lease holder: refuse on
+        a snapshot where a newer holder's fence landed (see the module docstring)."""
+        if self.fence is None:
+            return CommitProperties(custom_metadata=custom)
+        app_id, seq = self.fence
+        seen = dt.transaction_version(app_id) or 0
+        if seen > seq:
+            raise FencedOut(f"{self.root}: a newer holder of {app_id} committed (fence {seen} > ours {seq}); "
+                            "this writer lost its lease and commits nothing")
+        return CommitProperties(custom_metadata=custom, app_transactions=[Transaction(app_id, seq)])
+
+    def bump_erase_epoch(self, table: str) -> int | None:
+        """A metadata commit (the erase epoch in the table description): every commit whose snapshot
+        predates it fails delta-rs' conflict check and is retried on a fresh snapshot, where it reads
+        the forget registry again. Returns the new epoch (None: no such table)."""
+        for attempt in range(COMMIT_RETRIES):
+            dt = self._open(table)
+            if dt is None:
+                return None
+            meta = self._meta(dt)
+            meta["erase_epoch"] = int(meta.get("erase_epoch", 0)) + 1
+            try:
+                dt.alter.set_table_description(json.dumps(meta))
+                return meta["erase_epoch"]
+            except (CommitFailedError, DeltaError, OSError) as exc:
+                if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
+                    raise
+                self._tables.pop(table, None)
+                _backoff(attempt)
+        return None  # pragma: no cover
 
     def _predicate(self, users: list[str], n: int) -> str:
         buckets = sorted({user_bucket(u, n) for u in users})
@@ -310,36 +436,36 @@ class TableStore:
                 f"{KEY} IN ({', '.join(_quote(u) for u in sorted(users))})")
 
     def _write(self, table: str, users: list[str], frames: list[pl.DataFrame], empty: list[str],
-               template: pl.DataFrame, operation: str) -> int:
+               template: pl.DataFrame, operation: str, guarded: bool = True) -> int:
         for attempt in range(COMMIT_RETRIES):
             try:
-                return self._write_once(table, users, frames, empty, template, operation)
-            except (CommitFailedError, DeltaError) as exc:
+                return self._write_once(table, users, frames, empty, template, operation, guarded)
+            except (CommitFailedError, DeltaError, OSError) as exc:
+                if guarded and self.tombstones().forgotten_among(users):
+                    self.remove_dead_files(table, users)  # this attempt's files of a user forgotten meanwhile
                 if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
                     raise
                 _backoff(attempt)
                 self._tables.pop(table, None)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _write_once(self, table, users, frames, empty, template, operation) -> int:
-        dt = self._open(table)
+    def _write_once(self, table, users, frames, empty, template, operation, guarded=True) -> int:
         data_cols = [c for c in template.columns if c not in STORE_COLUMNS]
-        table_schema = None if dt is None else self._data_schema(dt)
         incoming = _normalise(template.select(data_cols).schema)
+        dt = self._open(table)
+        if dt is None:  # created empty first: the rows go in a commit on a snapshot of the table
+            self._create(table, *_evolve(table, None, incoming))
+            dt = self._open(table)
+        if guarded:  # the registry is read after the snapshot: see the module docstring
+            users, frames, empty = self._drop_forgotten(table, users, frames, empty)
+            if not users:
+                return dt.version()
+        table_schema = self._data_schema(dt)
         target, new_cols = _evolve(table, table_schema, incoming)
-        n = int(self._meta(dt)["user_buckets"]) if dt is not None else (self.n_buckets or DEFAULT_BUCKETS)
-        parts = [f.select([*(c for c in data_cols if c in f.columns), KEY]) for f in frames]
-        if empty:
-            parts.append(pl.DataFrame({KEY: empty}, schema={KEY: pl.String}))
-        df = pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame(schema={KEY: pl.String})
-        df = _conform(df, target).with_columns(
-            pl.col(KEY).is_in(empty).alias(PLACEHOLDER) if empty else pl.lit(False).alias(PLACEHOLDER))
+        n = int(self._meta(dt)["user_buckets"])
+        df = self._layout_rows(frames, empty, data_cols, target, users, n)
         buckets = {u: user_bucket(u, n) for u in users}
-        df = df.with_columns(pl.col(KEY).replace_strict(buckets, return_dtype=pl.Int32).alias(BUCKET))
-        df = df.select([KEY, BUCKET, PLACEHOLDER, *target.keys()])
-        if not df[KEY].is_sorted():  # rows usually come in user order already: skip a copy of every column
-            df = df.sort(KEY, maintain_order=True)
-        commit = CommitProperties(custom_metadata={"qumem.operation": operation, "qumem.users": str(len(users))})
+        commit = self._commit_properties(dt, {"qumem.operation": operation, "qumem.users": str(len(users))})
         path = self._fast_write(table, dt, df, target, new_cols, buckets, operation, commit, n)
         self.write_paths[path] += 1
         if path == WRITTEN:
@@ -348,26 +474,66 @@ class TableStore:
             return dt2.version() if dt2 is not None else -1
         if path == RACED:  # the add-only commit landed beside another writer's: replace on the latest version
             dt = self._open(table)
+            if guarded:  # a newer snapshot: read the registry again after it
+                users, frames, empty = self._drop_forgotten(table, users, frames, empty)
+                df = self._layout_rows(frames, empty, data_cols, target, users, n)
+            commit = self._commit_properties(dt, {"qumem.operation": operation, "qumem.users": str(len(users))})
         arrow = df.to_arrow()
-        if dt is None:
-            hints = {c: _dtype_to_str(t) for c, t in target.items() if _lossy(t)}
-            meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": hints}
-            write_deltalake(self.uri(table), arrow, mode="append", partition_by=[BUCKET],
-                            description=json.dumps(meta), configuration=_TABLE_CONFIG,
-                            storage_options=self.storage_options, writer_properties=_WRITER,
-                            target_file_size=TARGET_FILE_SIZE, commit_properties=commit)
-        else:
-            if new_cols:
-                self._record_hints(dt, {c: t for c, t in new_cols.items() if _lossy(t)})
-            append = operation == "append"
-            write_deltalake(dt, arrow, mode="append" if append else "overwrite",
-                            predicate=None if append else self._predicate(users, n),
-                            partition_by=[BUCKET], schema_mode="merge" if new_cols else None,
-                            storage_options=self.storage_options, writer_properties=_WRITER,
-                            target_file_size=TARGET_FILE_SIZE, commit_properties=commit)
+        if new_cols:
+            self._record_hints(dt, {c: t for c, t in new_cols.items() if _lossy(t)})
+        append = operation == "append"
+        write_deltalake(dt, arrow, mode="append" if append else "overwrite",
+                        predicate=None if append else self._predicate(users, n),
+                        partition_by=[BUCKET], schema_mode="merge" if new_cols else None,
+                        storage_options=self.storage_options, writer_properties=_WRITER,
+                        target_file_size=TARGET_FILE_SIZE, commit_properties=commit)
         self._tables.pop(table, None)
         dt2 = self._open(table)
         return dt2.version() if dt2 is not None else -1
+
+    def _drop_forgotten(self, table: str, users: list[str], frames: list[pl.DataFrame], empty: list[str]):
+        """Users forgotten as of now leave the write: their rows, placeholders and their place in the
+        commit's predicate (which the log keeps); their stored rows are the forget's to delete."""
+        gone = self.tombstones().forgotten_among(users)
+        if not gone:
+            return users, frames, empty
+        self.dropped_forgotten[table] += 1
+        frames = [f.filter(~pl.col(KEY).is_in(sorted(gone))) for f in frames]
+        return ([u for u in users if u not in gone], [f for f in frames if f.height],
+                [u for u in empty if u not in gone])
+
+    def _layout_rows(self, frames, empty, data_cols, target, users, n) -> pl.DataFrame:
+        """The rows as stored: store columns first, each user's bucket, sorted by user_key."""
+        parts = [f.select([*(c for c in data_cols if c in f.columns), KEY]) for f in frames]
+        if empty:
+            parts.append(pl.DataFrame({KEY: empty}, schema={KEY: pl.String}))
+        df = pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame(schema={KEY: pl.String})
+        df = _conform(df, target).with_columns(
+            pl.col(KEY).is_in(empty).alias(PLACEHOLDER) if empty else pl.lit(False).alias(PLACEHOLDER))
+        buckets = {u: user_bucket(u, n) for u in users}
+        df = df.with_columns(pl.col(KEY).replace_strict(buckets, return_dtype=pl.Int32, default=None).alias(BUCKET))
+        df = df.select([KEY, BUCKET, PLACEHOLDER, *target.keys()])
+        if not df[KEY].is_sorted():  # rows usually come in user order already: skip a copy of every column
+            df = df.sort(KEY, maintain_order=True)
+        return df
+
+    def _create(self, table: str, target: pl.Schema, _new: dict) -> None:
+        """The table with no rows (its schema, bucket count and dtype hints); a rival creator's win is fine."""
+        n = self.n_buckets or DEFAULT_BUCKETS
+        empty = _conform(pl.DataFrame(schema={KEY: pl.String}), target).with_columns(
+            pl.lit(False).alias(PLACEHOLDER), pl.lit(None, pl.Int32).alias(BUCKET))
+        empty = empty.select([KEY, BUCKET, PLACEHOLDER, *target.keys()])
+        hints = {c: _dtype_to_str(t) for c, t in target.items() if _lossy(t)}
+        meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": hints}
+        try:
+            commit_new_table(self.uri(table), empty.to_arrow().schema, [], partition_by=[BUCKET],
+                             description=json.dumps(meta), configuration=_TABLE_CONFIG,
+                             storage_options=self.storage_options,
+                             commit=CommitProperties(custom_metadata={"qumem.operation": "create"}))
+        except (CommitFailedError, DeltaError) as exc:
+            if "exist" not in str(exc).lower() and not isinstance(exc, CommitFailedError):
+                raise
+        self._tables.pop(table, None)
 
     def _fast_write(self, table: str, dt: DeltaTable | None, df: pl.DataFrame, target: pl.Schema, new_cols: dict,
                     buckets: dict[str, int], operation: str, commit: CommitProperties, n: int) -> str:
@@ -377,7 +543,7 @@ class TableStore:
         Returns WRITTEN; SKIPPED (nothing written, ``dt`` is still the latest the caller knows: it writes
         through delta-rs on it); or RACED (committed, but another writer's copy of these users landed
         too: the caller replaces them through delta-rs on a freshly opened table)."""
-        if new_cols or not fast_path_ok(target) or (dt is not None and self._meta(dt).get("dtypes")):
+        if new_cols or not fast_path_ok(target) or self._meta(dt).get("dtypes"):
             return SKIPPED
         if operation != "append":
             by_bucket: dict[int, list[str]] = {}
@@ -388,13 +554,7 @@ class TableStore:
         fs, base = self.filesystem()
         adds = write_files(df, fs, f"{base}/{table}", key=KEY, bucket=BUCKET, row_group_rows=ROW_GROUP_ROWS,
                            target_file_bytes=TARGET_FILE_SIZE)
-        if dt is None:
-            meta = {"tag": DESCRIPTION_TAG, "user_buckets": n, "dtypes": {}}
-            commit_new_table(self.uri(table), df.clear().to_arrow().schema, adds, partition_by=[BUCKET],
-                             description=json.dumps(meta), configuration=_TABLE_CONFIG,
-                             storage_options=self.storage_options, commit=commit)
-        else:
-            commit_append(dt, adds, partition_by=[BUCKET], commit=commit)
+        commit_append(dt, adds, partition_by=[BUCKET], commit=commit)
         if operation != "append":
             # A blind append never conflicts: another writer of the same users between our check and
             # our commit would leave both copies. Then the rows are replaced through delta-rs.
@@ -482,6 +642,27 @@ _TABLE_CONFIG = {
 }
 
 
+# A staging file (<name>.parquet#N) not modified for this long belongs to a killed writer.
+STAGING_STALL_S = float(os.environ.get("QUMEM_FORGET_STAGING_STALL_S", "30"))
+STAGING_WAIT_S = float(os.environ.get("QUMEM_FORGET_STAGING_WAIT_S", "600"))
+
+
+def _file_keys(fs, path: str) -> set[str] | None:
+    """The user keys of a complete Parquet data file; None when it cannot be read (then it is
+    treated as holding anyone); an empty set when it is gone."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(fs.open_input_file(path))
+        if KEY not in pf.schema_arrow.names:
+            return None
+        return set(pf.read(columns=[KEY]).column(KEY).unique().to_pylist()) - {None}
+    except FileNotFoundError:
+        return set()
+    except Exception:  # noqa: BLE001 - unreadable
+        return None
+
+
 def _row_groups_holding(md, users: list[str]) -> list[int]:
     """Row groups of a file whose user_key [min, max] holds one of sorted `users` (all of them
     when a group has no statistics)."""
@@ -543,11 +724,28 @@ def _conform(df: pl.DataFrame, target: pl.Schema) -> pl.DataFrame:
 
 
 def _is_conflict(exc: Exception) -> bool:
+    if isinstance(exc, FencedOut):
+        return False
     if isinstance(exc, CommitFailedError):
         return True
     msg = str(exc).lower()
-    return any(s in msg for s in ("concurrent", "conflict", "version already exists", "transaction failed",
-                                  "already exists", "precondition"))
+    return _log_moved(exc) or _file_moved(exc) or any(s in msg for s in (
+        "concurrent", "conflict", "version already exists", "transaction failed", "already exists", "precondition"))
+
+
+def _file_moved(exc: Exception) -> bool:
+    """A data file of this write's (stale) snapshot was removed by a forget: the write is retried on a
+    fresh snapshot (a replace is idempotent), where it no longer needs that file."""
+    msg = str(exc).lower()
+    return ".parquet" in msg and any(s in msg for s in ("not found", "no such file"))
+
+
+def _log_moved(exc: Exception) -> bool:
+    """A log file this snapshot named is gone (a concurrent forget replaced the checkpoint it
+    loaded from): retry on a fresh load. Data files are never retried here."""
+    msg = str(exc).lower()
+    return "_delta_log" in msg and any(s in msg for s in ("not found", "no such file", "does not exist")) \
+        or "invalid table version" in msg
 
 
 def _backoff(attempt: int) -> None:

@@ -2,8 +2,11 @@
 
 Stages register their table names in WAREHOUSE_TABLES; loading a set of users replaces
 exactly those users' rows in one transaction, so reruns converge and other users are
-untouched. Deleting a user rewrites the database file, because DuckDB does not zero the
-pages of deleted rows and a forgotten user's text must not survive on disk.
+untouched. A warehouse table may gather several Delta tables of one shape (WAREHOUSE_SOURCES):
+`llm_ledger` holds the decomposition's ledger and those of the later LLM stages (each written by its
+own asset), every row naming its `stage`, so `SELECT stage, sum(prompt_tokens), sum(completion_tokens)
+FROM llm_ledger GROUP BY stage` is the cost per stage. Deleting a user rewrites the database file,
+because DuckDB does not zero the pages of deleted rows and a forgotten user's text must not survive on disk.
 
 DuckDB lets one process open a file read-write, and no reader while it does; a second process
 fails at once with an IO error. Every connection therefore first takes an inter-process lock,
@@ -19,10 +22,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
+import polars as pl
 
 from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.contracts.ids import USER_ID_PATTERN, validate_user_id
 from qumem_pipeline.storage.layout import DataLayout, temp_prefix
+from qumem_pipeline.storage.warehouse_locations import record_warehouse
 
 LOCK_TIMEOUT_S = float(os.environ.get("QUMEM_WAREHOUSE_LOCK_TIMEOUT", "600"))
 _held = threading.local()  # lock files this thread holds: nested connects (delete -> compact) re-enter
@@ -36,6 +41,30 @@ WAREHOUSE_TABLES: list[str] = [
     "turns", "quarantine", "fingerprints", "episodes", "memories", "memory_quarantine", "llm_ledger",
     "query_states", "query_quarantine", "persona_profiles",
 ]
+
+
+# Warehouse table -> the Delta tables whose rows it holds (a table not named here holds its own), and
+# the `stage` a source's rows take where they name none (decomposition rows written before the column).
+WAREHOUSE_SOURCES: dict[str, tuple[str, ...]] = {
+    "llm_ledger": ("llm_ledger", "persona_llm_ledger", "query_llm_ledger"),
+}
+SOURCE_STAGE_DEFAULT: dict[str, str] = {"llm_ledger": "decompose"}
+
+
+def read_sources(layout: DataLayout, table: str, user_ids: list[str] | None) -> "pl.DataFrame | None":
+    """The rows of warehouse table `table` for these users: its Delta sources' rows, stacked."""
+    frames = []
+    for src in WAREHOUSE_SOURCES.get(table, (table,)):
+        df = layout.read_table(src, user_ids)
+        if df is None:
+            continue
+        if src in SOURCE_STAGE_DEFAULT:
+            stage = pl.lit(SOURCE_STAGE_DEFAULT[src], pl.String)
+            df = df.with_columns((pl.col("stage").fill_null(stage) if "stage" in df.columns else stage).alias("stage"))
+        frames.append(df)
+    if not frames:
+        return None
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
 
 
 def default_warehouse_path(data_root: str | os.PathLike) -> Path:
@@ -110,10 +139,16 @@ class Warehouse:
         which a machine without network cannot do) and handed to DuckDB as Arrow."""
         for u in user_ids:
             validate_user_id(u)
+        record_warehouse(layout.store, self.path)  # before any row lands: every forget must find this file
         loaded: dict[str, int] = {}
         with self.connect() as con:
+            # Under the writer lock, which a forget's delete also takes: a user forgotten before this
+            # point is dropped here, one forgotten after is deleted by that forget.
+            gone = layout.store.tombstones().forgotten_among(user_ids)
             for table in tables or WAREHOUSE_TABLES:
-                df = layout.read_table(table, user_ids)
+                df = read_sources(layout, table, user_ids)
+                if df is not None and gone and "user_id" in df.columns:
+                    df = df.filter(~pl.col("user_id").is_in(sorted(gone)))
                 exists = self._has_table(con, table)
                 if df is None and not exists:
                     continue

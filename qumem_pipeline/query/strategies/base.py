@@ -23,6 +23,7 @@ from qumem_pipeline.contracts.stage_versions import stage_version
 
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.memories.call_ledger import QA, call_tags
 
 Progress = Callable[[str, int, int], None]
 
@@ -233,7 +234,7 @@ def answer_queries(
         ChatRequest(f"{queries[i].query_id}/{request_suffix}",
                     [{"role": "system", "content": system},
                      {"role": "user", "content": user_message(queries[i], notes(i) + '\n\nReturn {"answer": "..."}.')}],
-                    schema, max_tokens, kind)
+                    schema, max_tokens, kind, metadata=call_tags(queries[i].user_id, QA, queries[i].query_id))
         for i in todo
     ])
     out: dict[int, str | None] = {}

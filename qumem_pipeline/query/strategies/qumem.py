@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.memories.call_ledger import A1, A2, call_tags
 from qumem_pipeline.memories.decompose import MEMORY_TYPES
 from qumem_pipeline.query.strategies.agents import (
     A1_MAX_TOKENS, A1_SCHEMA, A1_SYSTEM, A2_MAX_TOKENS, A2_SCHEMA, A2_SYSTEM, MAX_PLAN_QUERIES, QUERY_PROMPT_VERSION,
@@ -104,7 +105,7 @@ def plan_retrieval(
     a1 = generate_with_retry(llm, [
         ChatRequest(f"{q.query_id}/a1", [{"role": "system", "content": A1_SYSTEM},
                                          {"role": "user", "content": user_message(q, 'Return {"needs": [{"need": "...", "why": "..."}]}.')}],
-                    A1_SCHEMA, A1_MAX_TOKENS, "information_needs")
+                    A1_SCHEMA, A1_MAX_TOKENS, "information_needs", metadata=call_tags(q.user_id, A1, q.query_id))
         for q in queries
     ])
     for i, r in enumerate(a1):
@@ -123,7 +124,7 @@ def plan_retrieval(
                  q,
                  "Information needs:\n" + ("\n".join(f"- {d.get('need', '')} (why: {d.get('why', '')})" for d in needs[i]) or "- (none listed)")
                  + '\n\nReturn {"queries": [{"query": "...", "stores": ["fact"|"preference"|"insight", ...]}]}.')}],
-            A2_SCHEMA, A2_MAX_TOKENS, "retrieval_plan")
+            A2_SCHEMA, A2_MAX_TOKENS, "retrieval_plan", metadata=call_tags(q.user_id, A2, q.query_id))
         for i, q in enumerate(queries)
     ])
     for i, r in enumerate(a2):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from qumem_pipeline.contracts.stage_versions import stage_version
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.memories.call_ledger import A3, call_tags
 from qumem_pipeline.memories.decompose import MEMORY_TYPES
 from qumem_pipeline.query.strategies.agents import (
     A3_MAX_TOKENS, A3_SCHEMA, A3_SYSTEM, QUERY_PROMPT_VERSION, RESPONSE_MAX_TOKENS, RESPONSE_SCHEMA, RESPONSE_SYSTEM,
@@ -95,7 +96,7 @@ def infer_from_plans(
         ChatRequest(f"{q.query_id}/a3",
                     [{"role": "system", "content": A3_SYSTEM},
                      {"role": "user", "content": user_message(q, render_candidates(candidates[i]) + "\n\nReturn the user state as JSON.")}],
-                    A3_SCHEMA, A3_MAX_TOKENS, "user_state")
+                    A3_SCHEMA, A3_MAX_TOKENS, "user_state", metadata=call_tags(q.user_id, A3, q.query_id))
         for i, q in enumerate(queries)
     ])
     states: list[dict | None] = [None] * n

@@ -9,6 +9,10 @@ aspect and writes one summary. Every entry cites the memories of its group (by c
 by the model), and its ``position`` is the latest of them, so a query can never see a profile entry
 built from evidence after its as_of. A merge the model fails twice falls back to the group's most
 recent memory, and says so in ``merged_by``.
+
+Each merge request names its user and stage (``call_tags``), so the asset can send the batch through
+``memories.call_ledger.CheckpointedLLM``: a merge finished by an earlier (killed or failed) run is
+replayed from its checkpoint, and every merge call is a ``persona_merge`` row of the ledger.
 """
 
 import hashlib
@@ -21,6 +25,7 @@ import polars as pl
 
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.memories.call_ledger import PERSONA_MERGE, call_tags
 from qumem_pipeline.contracts.stage_versions import stage_version
 
 PROFILE_TYPES = ("preference", "insight")
@@ -91,7 +96,9 @@ def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: 
                    created_at: datetime | None = None, previous: pl.DataFrame | None = None) -> pl.DataFrame:
     """Profile entries for every user in ``memories`` (one merge batch for all users' groups).
 
-    ``previous``: earlier profile rows of these users; their finished merges are reused, not re-asked.
+    ``previous``: earlier profile rows of these users; their finished merges are reused, not re-asked,
+    unless ``llm`` can replay the merge from a checkpoint (``would_replay``, ``call_ledger.CheckpointedLLM``),
+    which also puts the call back in the run's ledger.
     """
     created_at = created_at or datetime.now(timezone.utc)
     reuse = reusable_merges(previous, llm.model_name)
@@ -105,21 +112,17 @@ def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: 
         vecs = np.stack([vectors[r["memory_id"]] for r in rows]).astype(np.float32)
         groups += [(user_id, [rows[i] for i in g]) for g in near_duplicate_groups(vecs)]
     pids = [profile_id(u, [r["memory_id"] for r in g]) for u, g in groups]
-    merge = [gi for gi, (_, g) in enumerate(groups) if len(g) > 1 and pids[gi] not in reuse]
-    results = dict(zip(merge, generate_with_retry(llm, [
-        ChatRequest(f"{groups[gi][0]}/profile-{gi}/merge",
-                    [{"role": "system", "content": MERGE_SYSTEM},
-                     {"role": "user", "content": "Statements (oldest first):\n" + "\n".join(f"- {r['content']}" for r in groups[gi][1])
-                      + '\n\nReturn {"aspect": "...", "summary": "..."}.'}],
-                    MERGE_SCHEMA, MERGE_MAX_TOKENS, "persona_merge")
-        for gi in merge
-    ])))
+    requests = {gi: merge_request(user_id, pids[gi], g) for gi, (user_id, g) in enumerate(groups) if len(g) > 1}
+    replayable = getattr(llm, "would_replay", None)
+    merge = [gi for gi, req in requests.items()
+             if pids[gi] not in reuse or (replayable is not None and replayable(req))]
+    results = dict(zip(merge, generate_with_retry(llm, [requests[gi] for gi in merge])))
     out = []
     for gi, (user_id, g) in enumerate(groups):
         ids = [r["memory_id"] for r in g]
         latest = max(g, key=lambda r: (r["position"], r["memory_id"]))
         r = results.get(gi)
-        if pids[gi] in reuse:
+        if r is None and pids[gi] in reuse:
             aspect, summary, how = reuse[pids[gi]]
         elif r is None:
             aspect, summary, how = latest["type"], latest["content"], "single"
@@ -135,6 +138,15 @@ def build_profiles(memories: pl.DataFrame, vectors: dict[str, np.ndarray], llm: 
             "code_version": stage_version("persona_profiles"), "created_at": created_at,
         })
     return pl.DataFrame(out, schema=PROFILE_SCHEMA) if out else PROFILE_SCHEMA.to_frame()
+
+
+def merge_request(user_id: str, pid: str, group: list[dict]) -> ChatRequest:
+    """The one merge call of a group (its statements oldest first), named by the group's profile id."""
+    return ChatRequest(f"{user_id}/profile-{pid}/merge",
+                       [{"role": "system", "content": MERGE_SYSTEM},
+                        {"role": "user", "content": "Statements (oldest first):\n" + "\n".join(f"- {r['content']}" for r in group)
+                         + '\n\nReturn {"aspect": "...", "summary": "..."}.'}],
+                       MERGE_SCHEMA, MERGE_MAX_TOKENS, "persona_merge", metadata=call_tags(user_id, PERSONA_MERGE, pid))
 
 
 def uncited_profiles(profiles: pl.DataFrame, memories: pl.DataFrame) -> list[str]:

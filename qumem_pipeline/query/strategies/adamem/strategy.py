@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from qumem_pipeline.contracts.stage_versions import stage_version
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.memories.call_ledger import RESEARCH, call_tags
 from qumem_pipeline.query.strategies.adamem.participants import resolve
 from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, AdaMemRetriever, Hit
 from qumem_pipeline.query.strategies.adamem.route import plan_route
@@ -104,7 +105,8 @@ def infer_adamem_states(
                         [{"role": "system", "content": RESEARCH_SYSTEM},
                          {"role": "user", "content": user_message(queries[i], render_candidates(candidates[i])
                                                                   + "\n\nReturn the research notes as JSON.")}],
-                        RESEARCH_SCHEMA, RESEARCH_MAX_TOKENS, "research")
+                        RESEARCH_SCHEMA, RESEARCH_MAX_TOKENS, "research",
+                        metadata=call_tags(queries[i].user_id, RESEARCH, queries[i].query_id))
             for i in todo
         ])
         follow: list[int] = []

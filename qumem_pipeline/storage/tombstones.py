@@ -1,0 +1,156 @@
+"""The forget registry: one keyed tombstone row per forget, read fresh by every commit.
+
+Why keyed: an unsalted sha256 of a user id lets anyone holding the table test whether a given id
+was forgotten. A tombstone is HMAC-SHA256(deployment secret, user_id): without the secret a row
+confirms nothing. The secret comes from `QUMEM_TOMBSTONE_KEY`; production (`QUMEM_ENV=production`)
+and object-store data roots refuse to run without it. A local data root without it gets a key
+generated once under `<root>/_secrets/tombstone.key` (mode 0600; fine on one machine, not on a
+shared store). Rotation: set the new secret in `QUMEM_TOMBSTONE_KEY` and list the old ones in
+`QUMEM_TOMBSTONE_OLD_KEYS` (comma-separated): new tombstones use the new key, lookups try every
+key (each row records its key's id, a digest of the key, so a lookup computes one HMAC per key in
+use). An old key may be retired only once no tombstone made with it must hold any more; rows of
+the pre-HMAC registry (key id NULL: plain sha256) still match.
+
+Why one row per event (append, never read-modify-write): concurrent forgets from many hosts all
+land (Delta appends do not conflict). A user's state is its latest event (forget / readmit).
+"""
+
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+
+REGISTRY_TABLE = "forgotten_users"
+REGISTRY_KEY = "_registry"  # the registry is one partition key, not a user
+KEY_ENV, OLD_KEYS_ENV = "QUMEM_TOMBSTONE_KEY", "QUMEM_TOMBSTONE_OLD_KEYS"
+LEGACY_KEY_ID = ""  # rows written before keyed tombstones: sha256(user_id)
+FORGET, READMIT = "forget", "readmit"
+SCHEMA = {"digest": pl.String, "key_id": pl.String, "action": pl.String, "at": pl.Datetime("us", "UTC")}
+
+
+class TombstoneKeyMissing(RuntimeError):
+    """Production (or a shared object store) without a tombstone secret."""
+
+
+def _key_id(secret: bytes) -> str:
+    return hashlib.sha256(b"qumem-tombstone-key:" + secret).hexdigest()[:12]
+
+
+def _local_key(root: str) -> bytes:
+    path = Path(root) / "_secrets" / "tombstone.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # first writer wins; others read its key
+        except FileExistsError:
+            pass
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip().encode()
+
+
+def tombstone_keys(root: str) -> list[bytes]:
+    """[current key, old keys...] for this deployment (see the module docstring)."""
+    current = os.environ.get(KEY_ENV, "").strip()
+    if not current:
+        remote = "://" in root and not root.startswith("file://")
+        if os.environ.get("QUMEM_ENV") == "production" or remote:
+            raise TombstoneKeyMissing(
+                f"{KEY_ENV} is not set: forget tombstones are keyed digests and this deployment "
+                f"({'production' if not remote else 'object-store data root ' + root}) must provide the secret "
+                f"from its environment (any long random string; keep it with the deployment's other secrets)")
+        keys = [_local_key(root)]
+    else:
+        keys = [current.encode()]
+    keys += [k.strip().encode() for k in os.environ.get(OLD_KEYS_ENV, "").split(",") if k.strip()]
+    return keys
+
+
+class Tombstones:
+    """Membership test against the registry as of its latest version (re-read only when it changed)."""
+
+    def __init__(self, store, keys: list[bytes] | None = None):
+        # its own handle on the root (same store class: no import back into table_store), bucket
+        # count taken from the table: one key, any deployment's N
+        self.store = store.plain_handle()
+        self.store.n_buckets = None
+        self._keys = keys
+        self._version: int | None = -2
+        self._forgotten: dict[str, set[str]] = {}  # key id -> digests whose latest event is a forget
+        self._lock = threading.Lock()
+
+    @property
+    def keys(self) -> list[bytes]:
+        if self._keys is None:
+            self._keys = tombstone_keys(self.store.root)
+        return self._keys
+
+    def digest(self, user_id: str, key: bytes | None = None) -> tuple[str, str]:
+        key = self.keys[0] if key is None else key
+        return _key_id(key), hmac.new(key, user_id.encode("utf-8"), hashlib.sha256).hexdigest()
+
+    def refresh(self) -> int | None:
+        """Bring the in-memory set to the registry's latest version; returns that version."""
+        with self._lock:
+            version = self.store.version(REGISTRY_TABLE)
+            if version == self._version:
+                return version
+            df = self.store.read(REGISTRY_TABLE, [REGISTRY_KEY])
+            forgotten: dict[str, set[str]] = {}
+            if df is not None and df.height:
+                df = df.filter(~pl.col("user_placeholder"))
+                for c, t in SCHEMA.items():
+                    if c not in df.columns:
+                        df = df.with_columns(pl.lit(None, t).alias(c))
+                df = df.with_columns(pl.col("key_id").fill_null(LEGACY_KEY_ID),
+                                     pl.col("action").fill_null(FORGET)).with_row_index("_i")
+                latest = df.sort(["at", "_i"], nulls_last=False).group_by(["key_id", "digest"]).last()
+                for kid, dig in latest.filter(pl.col("action") == FORGET).select("key_id", "digest").iter_rows():
+                    forgotten.setdefault(kid, set()).add(dig)
+            self._forgotten, self._version = forgotten, version
+            return version
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._forgotten.values())
+
+    def forgotten_among(self, users, refresh: bool = True) -> set[str]:
+        """Which of `users` are forgotten as of the registry's latest version."""
+        if refresh:
+            self.refresh()
+        if not self._forgotten:
+            return set()
+        out = set()
+        legacy = self._forgotten.get(LEGACY_KEY_ID, set())
+        keyed = [(k, self._forgotten.get(_key_id(k), set())) for k in self.keys]
+        for u in users:
+            if u is None:
+                continue
+            if legacy and hashlib.sha256(u.encode("utf-8")).hexdigest() in legacy:
+                out.add(u)
+                continue
+            for key, digests in keyed:
+                if digests and hmac.new(key, u.encode("utf-8"), hashlib.sha256).hexdigest() in digests:
+                    out.add(u)
+                    break
+        return out
+
+    def contains(self, user_id: str | None) -> bool:
+        return user_id is not None and bool(self.forgotten_among([user_id]))
+
+    def record(self, user_ids: list[str], action: str = FORGET) -> None:
+        """Append one row per user (no read-modify-write: concurrent forgets all land)."""
+        rows = []
+        now = datetime.now(timezone.utc)
+        for u in user_ids:
+            kid, dig = self.digest(u)
+            rows.append({"digest": dig, "key_id": kid, "action": action, "at": now})
+        df = pl.DataFrame(rows, schema=SCHEMA).with_columns(pl.lit(REGISTRY_KEY).alias("_owner"))
+        self.store.append(REGISTRY_TABLE, df, key_column="_owner", guarded=False)

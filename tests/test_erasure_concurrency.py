@@ -1,0 +1,202 @@
+"""Erasure under concurrency, on real Delta tables (issue 27): a write whose snapshot predates a
+forget never brings the user back, concurrent forgets from separate processes all land, a
+warehouse the forget cannot reach fails it loudly (and a rerun completes it), and tombstones are
+keyed digests that confirm nothing without the deployment's secret."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from qumem_pipeline.storage.audit import audit_data_root
+from qumem_pipeline.storage.forget import StoreUnreachable, forget_user, record_warehouse
+from qumem_pipeline.storage.table_store import TableStore
+from qumem_pipeline.storage.tombstones import REGISTRY_TABLE, TombstoneKeyMissing, tombstone_keys
+from qumem_pipeline.storage.warehouse import Warehouse
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+USERS = [f"user{i}" for i in range(8)]
+
+
+def _rows(users, tag="v1", n=2):
+    return {u: pl.DataFrame({"user_id": [u] * n, "turn_index": list(range(n)),
+                             "text": [f"{u} {tag} secret-{u}-{k}" for k in range(n)]}) for u in users}
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUMEM_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), QUMEM_TOMBSTONE_KEY="test-secret", **extra)
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch):
+    monkeypatch.setenv("QUMEM_TOMBSTONE_KEY", "test-secret")
+    monkeypatch.delenv("QUMEM_TOMBSTONE_OLD_KEYS", raising=False)
+
+
+class _PausedWriter(TableStore):
+    """A writer that stops after its snapshot and registry read, before its commit."""
+
+    def __init__(self, *a, gate: threading.Event, reached: threading.Event, **kw):
+        super().__init__(*a, **kw)
+        self.gate, self.reached, self.paused = gate, reached, False
+
+    def _fast_write(self, *a, **kw):
+        if not self.paused:
+            self.paused = True
+            self.reached.set()
+            assert self.gate.wait(60)
+        return super()._fast_write(*a, **kw)
+
+
+@pytest.mark.parametrize("existing_rows", [True, False], ids=["replace", "first-write"])
+def test_a_write_on_a_snapshot_before_the_forget_never_resurrects(tmp_path, existing_rows):
+    root = tmp_path / "data"
+    seed = TableStore(root, n_buckets=4)
+    seed.replace("memories", _rows(["bob"]))  # the table exists (another user's rows)
+    if existing_rows:
+        seed.replace("memories", _rows(["alice"]))
+    gate, reached = threading.Event(), threading.Event()
+    writer = _PausedWriter(root, n_buckets=4, gate=gate, reached=reached)
+    errors = []
+
+    def write():
+        try:
+            writer.replace("memories", _rows(["alice", "carol"], tag="late"))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=write)
+    t.start()
+    assert reached.wait(60), errors  # the writer has its snapshot and has read the registry: alice not forgotten
+    forget_user(root, None, "alice")  # returns while the writer is paused
+    assert "alice" not in TableStore(root).users_in("memories")
+    gate.set()
+    t.join(120)
+    assert not errors, errors
+    store = TableStore(root)
+    assert store.users_in("memories") == ["bob", "carol"]  # carol's rows landed, alice's never did
+    assert writer.dropped_forgotten["memories"] >= 1
+    assert audit_data_root(str(root), "alice", ["secret-alice"])["hits"] == []
+
+
+FORGET_ONE = """
+import sys, time
+from pathlib import Path
+from qumem_pipeline.storage.forget import forget_user
+root, user, go = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+while not go.exists():
+    time.sleep(0.01)
+forget_user(root, None, user)
+print("forgot", user)
+"""
+
+
+def test_concurrent_forgets_from_separate_processes_all_land(tmp_path):
+    """Six forgets released at the same instant (distinct hosts), then the source sends two more
+    turns for every user and ingest writes them: none of the six comes back."""
+    root, go = tmp_path / "data", tmp_path / "go"
+    store = TableStore(root, n_buckets=4)
+    for table in ("turns", "fingerprints", "memories"):
+        store.replace(table, _rows(USERS))
+    gone = USERS[:6]
+    procs = [subprocess.Popen([sys.executable, "-c", FORGET_ONE, str(root), u, str(go)],
+                              env=_env(QUMEM_HOST_ID=f"host-{i}"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i, u in enumerate(gone)]
+    time.sleep(3.0)  # all imported and polling
+    go.write_text("go")
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:]
+    store = TableStore(root)
+    assert store.tombstones().forgotten_among(USERS) == set(gone)  # every tombstone landed
+    for table in ("turns", "fingerprints", "memories"):
+        store.replace(table, _rows(USERS, tag="v2", n=4))  # the next ingest, all users in the archive
+        assert store.users_in(table) == USERS[6:], table
+    report = audit_data_root(str(root), None, [f"secret-{u}" for u in gone])
+    assert report["hits"] == [] and report["objects_scanned"] > 10
+    for u in gone:
+        assert audit_data_root(str(root), u, [])["hits"] == [], u
+
+
+def test_a_forget_that_cannot_reach_a_warehouse_fails_and_its_rerun_completes(tmp_path, monkeypatch):
+    root, wh_path = tmp_path / "data", tmp_path / "elsewhere" / "warehouse.duckdb"
+    store = TableStore(root)
+    store.replace("turns", _rows(["alice", "bob"]))
+    monkeypatch.setenv("QUMEM_HOST_ID", "warehouse-host")
+    from qumem_pipeline.storage.layout import DataLayout
+
+    Warehouse(wh_path).load_users(DataLayout(root), ["alice", "bob"], ["turns"])  # records its location
+    monkeypatch.setenv("QUMEM_HOST_ID", "other-host")
+    with pytest.raises(StoreUnreachable, match="warehouse-host"):
+        forget_user(root, None, "alice")
+    assert "alice" not in TableStore(root).users_in("turns")  # the tables are erased already
+    assert "alice" in Warehouse(wh_path).users("turns")
+    monkeypatch.setenv("QUMEM_HOST_ID", "warehouse-host")
+    report = forget_user(root, None, "alice")  # the rerun, where the warehouse is
+    assert report["warehouse_rows_deleted"][str(wh_path.absolute())]["turns"] == 2
+    assert Warehouse(wh_path).users("turns") == ["bob"]
+    assert b"secret-alice" not in wh_path.read_bytes()
+
+
+def test_a_warehouse_load_after_the_forget_drops_the_user(tmp_path):
+    """The load reads the registry under the warehouse lock that the forget's delete takes."""
+    from qumem_pipeline.storage.layout import DataLayout
+
+    root, wh_path = tmp_path / "data", tmp_path / "warehouse.duckdb"
+    layout = DataLayout(root)
+    layout.store.replace("turns", _rows(["alice", "bob"]))
+    stale = {"turns": layout.read_table("turns", ["alice", "bob"])}  # a load that read before the forget
+    forget_user(root, wh_path, "alice")
+
+    class StaleLayout(DataLayout):
+        def read_table(self, table, user_ids=None):
+            return stale[table]
+
+    Warehouse(wh_path).load_users(StaleLayout(root), ["alice", "bob"], ["turns"])
+    assert Warehouse(wh_path).users("turns") == ["bob"]
+
+
+def test_tombstones_are_keyed_digests(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    TableStore(root).replace("turns", _rows(["alice"]))
+    forget_user(root, None, "alice")
+    reg = TableStore(root).read(REGISTRY_TABLE)
+    digests = set(reg.filter(~reg["user_placeholder"])["digest"])
+    assert hashlib.sha256(b"alice").hexdigest() not in digests  # an unkeyed digest would confirm the id
+    assert len(digests) == 1
+    assert TableStore(root).tombstones().forgotten_among(["alice", "bob"]) == {"alice"}
+    # rotation: a new key, the old one listed, the tombstone still holds
+    monkeypatch.setenv("QUMEM_TOMBSTONE_KEY", "new-secret")
+    monkeypatch.setenv("QUMEM_TOMBSTONE_OLD_KEYS", "test-secret")
+    assert TableStore(root).tombstones().forgotten_among(["alice"]) == {"alice"}
+    # without the old key, nothing matches: the table alone confirms no id
+    monkeypatch.delenv("QUMEM_TOMBSTONE_OLD_KEYS")
+    assert TableStore(root).tombstones().forgotten_among(["alice"]) == set()
+    monkeypatch.delenv("QUMEM_TOMBSTONE_KEY")
+    monkeypatch.setenv("QUMEM_ENV", "production")
+    with pytest.raises(TombstoneKeyMissing, match="QUMEM_TOMBSTONE_KEY"):
+        tombstone_keys(str(root))
+    monkeypatch.delenv("QUMEM_ENV")
+    with pytest.raises(TombstoneKeyMissing):
+        tombstone_keys("s3://bucket/root")
+    assert tombstone_keys(str(root)) == tombstone_keys(str(root))  # a local root: one generated key, kept
+
+
+def test_readmitted_user_comes_back_on_purpose(tmp_path):
+    from qumem_pipeline.storage.forget import ForgetRegistry
+
+    root = tmp_path / "data"
+    TableStore(root).replace("turns", _rows(["alice"]))
+    forget_user(root, None, "alice")
+    ForgetRegistry(root).remove("alice")
+    store = TableStore(root)
+    store.replace("turns", _rows(["alice"], tag="again"))
+    assert store.users_in("turns") == ["alice"]
