@@ -9,6 +9,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The deployment secret that keys forget tombstones (object-store roots refuse to forget without one).
+os.environ.setdefault("QUMEM_TOMBSTONE_KEY", "qumem-tests-tombstone-secret")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -64,7 +64,7 @@ def test_store_on_s3_replace_read_and_concurrent_writers(s3_root, tmp_path):
         assert p.returncode == 0, out[-3000:]
     df = DataLayout(s3_root).read_table("turns")
     assert set(df["user_id"]) == {"a", "b"} | {f"{w}{i}-{j}" for w in "AB" for i in range(12) for j in range(3)}
-    assert DataLayout(s3_root).store.version("turns") == 1 + 24  # every commit of both writers landed
+    assert DataLayout(s3_root).store.version("turns") == 2 + 24  # creation, seed, every commit of both writers
 
 
 def test_forget_canary_on_s3(s3_root, moto_server, tmp_path):
@@ -126,7 +126,8 @@ def test_main_job_on_s3_equals_local_then_forget_leaves_no_canary(tmp_path, s3_r
     assert objects_holding(objects, CANARY)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUMEM_")}
-    env.update(PYTHONPATH=str(REPO_ROOT), DAGSTER_HOME=str(remote / "home"))
+    env.update(PYTHONPATH=str(REPO_ROOT), DAGSTER_HOME=str(remote / "home"),
+               QUMEM_TOMBSTONE_KEY=os.environ["QUMEM_TOMBSTONE_KEY"])
     f = subprocess.run([sys.executable, "-m", "qumem_pipeline.cli", "forget", "bo", "--data-root", s3_root],
                        cwd=remote, env=env, capture_output=True, text=True, timeout=300)
     assert f.returncode == 0 and "forgot bo" in f.stdout, f.stderr[-3000:]
