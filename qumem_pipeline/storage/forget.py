@@ -21,6 +21,7 @@ The Dagster instance is scrubbed by the Dagster layer (`assets/forget.py`).
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -141,7 +142,7 @@ def scrub_log(store: TableStore, table: str, needles: list[str]) -> int:
         if not any(n in text for n in needles):
             continue
         clean = "\n".join(_scrub_line(line) for line in text.splitlines()) + "\n"
-        if any(n in clean for n in needles):
+        if any(re.search(f"(?<![A-Za-z0-9_.\\-]){re.escape(n)}(?![A-Za-z0-9_.\\-])", clean) for n in needles):
             raise RuntimeError(f"{info.path}: a user id survives the log scrub (unknown action)")
         _atomic_put(fs, info.path, clean.encode("utf-8"))
         rewritten += 1
