@@ -22,17 +22,13 @@ The Dagster instance is scrubbed by the Dagster layer (`assets/forget.py`).
 import json
 import os
 import re
-import socket
 import time
 from pathlib import Path
 
 import polars as pl
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
-from qumem_pipeline.contracts.buckets import user_bucket
 from qumem_pipeline.contracts.ids import validate_user_id
-from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.storage.table_store import TableStore, _log_moved, is_uri
 from qumem_pipeline.storage.tombstones import READMIT, REGISTRY_TABLE, Tombstones
 from qumem_pipeline.storage.warehouse_locations import (WAREHOUSE_LOCATIONS, _host, record_warehouse,
@@ -68,11 +64,8 @@ class ForgetRegistry:
     def contains(self, user_id: str | None) -> bool:
         if user_id is None:
             return False
-        if self._legacy:
-            import hashlib
-
-            if hashlib.sha256(user_id.encode("utf-8")).hexdigest() in self._legacy:
-                return True
+        if self._legacy and _digest(user_id) in self._legacy:
+            return True
         return bool(self.tombstones.forgotten_among([user_id], refresh=False))
 
     def add(self, user_id: str) -> None:
@@ -101,11 +94,6 @@ class ForgetRegistry:
 
 
 # ---------------------------------------------------------------------------------------- tables
-def remove_unreferenced_files(store: TableStore, table: str, user_id: str) -> list[str]:
-    """See `TableStore.remove_dead_files` (also run by a writer or delete whose commit failed)."""
-    return store.remove_dead_files(table, [user_id])
-
-
 def scrub_log(store: TableStore, table: str, needles: list[str]) -> int:
     """Checkpoint the latest version, rewrite every commit file that names a needle without any
     user id (add/remove statistics and operation predicates dropped: whole files, so two forgets
@@ -183,7 +171,7 @@ def erase_from_tables(store: TableStore, user_id: str) -> dict:
         store.n_buckets = None  # erase from every table, whatever bucket count it was made with
         store.bump_erase_epoch(t)
         rows = store.delete(t, [user_id])
-        files = remove_unreferenced_files(store, t, user_id)
+        files = store.remove_dead_files(t, [user_id])
         scrubbed = scrub_log(store, t, [user_id])
         if rows or files or scrubbed:
             report["tables"].append(t)
