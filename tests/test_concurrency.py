@@ -45,7 +45,10 @@ def _table_hashes(root: Path) -> dict[str, str]:
     layout = DataLayout(root)
     out = {}
     for t in layout.tables():
-        rows = sorted(map(repr, layout.store.read(t).drop("user_bucket").rows()))
+        df = layout.store.read(t).drop("user_bucket")
+        if "path" in df.columns:  # warehouse_locations: where this root was loaded, named relative to it
+            df = df.with_columns(df["path"].str.replace(str(root.absolute()), "<root>", literal=True))
+        rows = sorted(map(repr, df.rows()))
         out[t] = hashlib.sha256("\n".join(rows).encode()).hexdigest()
     return out
 
