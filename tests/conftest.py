@@ -176,3 +176,47 @@ def s3_objects(endpoint: str, root: str) -> dict[str, bytes]:
         for o in page.get("Contents", []):
             out[o["Key"]] = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
     return out
+
+
+# --- test tiers ---------------------------------------------------------------------------------
+# README's test command runs the `default` tier (the whole product, in about ten minutes on two
+# cores); the `system` tier holds the heavy system tests — a real browser on the Dagster UI, a real
+# vLLM server, killed and faulted runs, the benches' smoke runs, PostgreSQL, two-host recovery —
+# and `.ci/run` runs it after the default tier, so CI drops nothing. A file named on the command
+# line always runs whatever its tier.
+SYSTEM_TIER = frozenset({
+    "test_ui_browser.py",
+    "test_llm_vllm.py",
+    "test_killed_runs.py",
+    "test_bench_smoke.py",
+    "test_postgres_instance.py",
+    "test_recovery.py",
+    "test_erasure_interleavings.py",
+})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("default", "system", "all"), default="default",
+                     help="default: everything but the system tier; system: only it; all: both")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "system: heavy system test, run by `pytest --tier system` (CI runs both tiers)")
+
+
+def _named_files(config) -> set[str]:
+    return {Path(a.split("::")[0]).name for a in config.args if a.split("::")[0].endswith(".py")}
+
+
+def pytest_collection_modifyitems(config, items):
+    tier, named = config.getoption("--tier"), _named_files(config)
+    keep, drop = [], []
+    for item in items:
+        system = item.path.name in SYSTEM_TIER
+        if system:
+            item.add_marker(pytest.mark.system)
+        wanted = tier == "all" or item.path.name in named or (tier == "system") == system
+        (keep if wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
