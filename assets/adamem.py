@@ -6,12 +6,13 @@ from datetime import datetime, timezone
 import dagster as dg
 import polars as pl
 
-from assets.check_results import gate
+from assets.check_results import gate, no_users_result
 from assets.episodes import episodes
 from assets.ingest import turns
 from assets.llm_calls import checkpointed_llm, ledger_metadata, llm_failure
 from assets.memories import memories
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.progress import ProgressLogger, llm_call_progress
 from assets.retrieval import memory_embeddings
 from qumem_pipeline.query.strategies.adamem.graph import EDGE_TYPES, build_memory_graph, dangling_edges
 from qumem_pipeline.contracts.checks import CheckOutcome
@@ -46,6 +47,8 @@ def graph_endpoints_exist(nodes: pl.DataFrame, edges: pl.DataFrame) -> CheckOutc
 def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource,
                      embedder: EmbedderResource) -> dg.MaterializeResult:
     users = run_user_ids(context)
+    if not users:
+        return no_users_result(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
     mems = layout.read_table("memories", users)
@@ -54,9 +57,12 @@ def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig
     vectors = vectors_for(mems, layout.read_table("memory_embeddings", users), embedder.model)
     created_at = datetime.now(timezone.utc)
     calls = checkpointed_llm(layout, PERSONA_TABLES, llm.backend, "persona_profiles", PROFILE_PROMPT_VERSION, created_at)
+    progress = ProgressLogger(context.log, f"persona profiles of {len(users)} users")
+    calls.progress = llm_call_progress(progress)
     try:
-        profiles = build_profiles(mems, vectors, calls, created_at=created_at,
-                                  previous=layout.read_table("persona_profiles", users))
+        with progress:
+            profiles = build_profiles(mems, vectors, calls, created_at=created_at,
+                                      previous=layout.read_table("persona_profiles", users))
     except LLMError as exc:
         raise llm_failure(exc, calls) from exc
     bad = uncited_profiles(profiles, mems)
@@ -92,16 +98,20 @@ def persona_profiles(context: dg.AssetExecutionContext, pipeline: PipelineConfig
 )
 def memory_graph(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
     users = run_user_ids(context)
+    if not users:
+        return no_users_result(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
     all_nodes, all_edges = [], []
-    for u in users:
-        t, e, m = (layout.read_user_table(x, u) for x in ("turns", "episodes", "memories"))
-        if t is None or e is None or m is None:
-            raise dg.Failure(f"user {u}: materialize `turns`, `episodes` and `memories` first")
-        nodes, edges = build_memory_graph(u, t, e, m, layout.read_user_table("persona_profiles", u))
-        all_nodes.append(nodes)
-        all_edges.append(edges)
+    with ProgressLogger(context.log, "memory graphs built") as progress:
+        for i, u in enumerate(users, start=1):
+            t, e, m = (layout.read_user_table(x, u) for x in ("turns", "episodes", "memories"))
+            if t is None or e is None or m is None:
+                raise dg.Failure(f"user {u}: materialize `turns`, `episodes` and `memories` first")
+            nodes, edges = build_memory_graph(u, t, e, m, layout.read_user_table("persona_profiles", u))
+            all_nodes.append(nodes)
+            all_edges.append(edges)
+            progress(i, len(users))
     nodes, edges = pl.concat(all_nodes), pl.concat(all_edges)
 
     def publish():

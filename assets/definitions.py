@@ -4,6 +4,7 @@ import dagster as dg
 
 from assets.forget import forget_user_job
 from assets.maintenance import table_maintenance_job
+from assets.personalize import personalize_job
 from assets.adamem import memory_graph, persona_profiles
 from assets.episodes import episodes
 from assets.ingest import turns
@@ -37,7 +38,7 @@ def build_definitions(env: str | None = None, executor: dg.ExecutorDefinition | 
     multiprocess or Kubernetes executors, so scale-out is configuration, not code."""
     return dg.Definitions(
         assets=ALL_ASSETS,
-        jobs=[main_job, ingest_job, forget_user_job, table_maintenance_job],
+        jobs=[main_job, ingest_job, forget_user_job, table_maintenance_job, personalize_job],
         sensors=[user_discovery_sensor],
         schedules=[build_nightly_schedule(job=main_job)],
         resources=resources_for(env),

@@ -4,8 +4,8 @@ import dagster as dg
 import polars as pl
 
 from assets.ingest import turns
-from assets.check_results import gate
-from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.check_results import gate, no_users_result
+from assets.partitions import not_forgotten, run_user_ids, user_backfill_policy, users_partitions
 from assets.progress import ProgressLogger
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.episodes.segmentation import EPISODE_SCHEMA, build_episodes_for_users
@@ -34,24 +34,31 @@ def episodes(
     context: dg.AssetExecutionContext, pipeline: PipelineConfig, continuity: ContinuityClassifierResource
 ) -> dg.MaterializeResult:
     users = run_user_ids(context)
+    if not users:
+        return no_users_result(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
     # one read for the run's users (a read per user opens the Delta table once per user)
     turns_by_user = layout.read_users("turns", users)
     missing = [u for u in users if u not in turns_by_user]
+    missing = not_forgotten(context, missing)  # a forget that landed inside this step: skip its user
     if missing:
         raise dg.Failure(f"no turns for user {missing[0]} ({len(missing)} users): materialize `turns` first")
+    users = [u for u in users if u in turns_by_user]
+    if not users:
+        return no_users_result(context)
     model = continuity.model
     progress = ProgressLogger(context.log, "continuity pairs classified")
     t1 = time.perf_counter()
-    by_user, stats = build_episodes_for_users(
-        turns_by_user,
-        lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size, progress=progress),
-        rule=model.rule,
-        similarity=model.pair_cosine,  # used only when the rule has similarity dips
-        classifier_version=model.version,
-        token_budget=continuity.token_budget,
-    )
+    with progress:
+        by_user, stats = build_episodes_for_users(
+            turns_by_user,
+            lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size, progress=progress),
+            rule=model.rule,
+            similarity=model.pair_cosine,  # used only when the rule has similarity dips
+            classifier_version=model.version,
+            token_budget=continuity.token_budget,
+        )
     classify_s = time.perf_counter() - t1
     sizes = [n for df in by_user.values() for n in df["n_turns"].to_list()]
     coverage = checks.episodes_cover_turns(turns_by_user, by_user)

@@ -17,6 +17,7 @@ import dagster as dg
 from assets.erasure import rewrite_run_user_lists, scrub_instance
 from assets.partitions import (SCHEME, USER_REGISTRY, bucket_partition_keys, partition_key_of, registered_users)
 from qumem_pipeline.contracts.ids import validate_user_id
+from qumem_pipeline.ingest.sync import key_forgotten_files
 from qumem_pipeline.storage.forget import forget_user
 from resources import PipelineConfig
 
@@ -73,6 +74,8 @@ def forget_user_op(context: dg.OpExecutionContext, config: ForgetConfig, pipelin
     # configured warehouse: only when set explicitly or local (an object-store root's default is the cwd)
     configured = pipeline.warehouse().path if (pipeline.warehouse_path or "://" not in pipeline.data_root) else None
     report = forget_user(pipeline.data_root, configured, user_id)
+    # the ingest manifest names files by path: those of users all forgotten are keyed (ingest/manifest.py)
+    keyed = key_forgotten_files(pipeline.layout())
     # Counts only: user content and ids never go into Dagster's event log.
     return dg.Output(
         True,
@@ -83,6 +86,7 @@ def forget_user_op(context: dg.OpExecutionContext, config: ForgetConfig, pipelin
             "log_files_rewritten": sum(report["log_files_rewritten"].values()),
             "warehouses": len(report["warehouse_rows_deleted"]),
             "warehouse_rows_deleted": sum(sum(v.values()) for v in report["warehouse_rows_deleted"].values()),
+            "manifest_files_keyed": keyed,
         },
     )
 

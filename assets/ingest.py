@@ -4,12 +4,14 @@ import dagster as dg
 import polars as pl
 
 from assets.check_results import check_result
-from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.partitions import record_materialized, run_user_ids, user_backfill_policy, users_partitions
+from assets.progress import ProgressLogger
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.ingest.incremental import recorded_form
 from qumem_pipeline.ingest.archive import EMPTY_FINGERPRINT
 from qumem_pipeline.ingest.sync import sync_archive
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.ingest.validate import TURN_POLARS_SCHEMA
 from assets.versions import code_version, version_metadata
 from resources import PipelineConfig
@@ -48,16 +50,34 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
                 turns_rows.height, quarantine_rows.height, pipeline.max_quarantine_fraction),
         }
         if not all(o.passed for o in outcomes.values()):
+            if quarantine_rows.height and "field" in quarantine_rows.columns:
+                # what the operator fixes: the bad rows' fields, and each row's place in the archive (in the log)
+                by_field = quarantine_rows.group_by("field").len().sort(["len", "field"], descending=[True, False])
+                outcomes["quarantine_under_ceiling"].metadata["quarantined_by_field"] = ", ".join(
+                    f"{f} {n}" for f, n in by_field.rows())
+                for r in quarantine_rows.head(50).iter_rows(named=True):
+                    context.log.debug(f"quarantined: {r.get('source_file')} row {r.get('source_row')}: "
+                                      f"{r.get('field')}: {r.get('reason')}")
             blocked.update(outcomes)
             raise BlockedByChecks(", ".join(n for n, o in outcomes.items() if not o.passed))
 
+    progress = ProgressLogger(context.log, "archive sync")
+
+    def sync_progress(stage: str, done: int, total: int) -> None:
+        if progress.label != stage:
+            progress.stage(stage, total)
+        progress(done, total)
+
     try:
-        report = sync_archive(pipeline.archive(), layout, forgotten=pipeline.forgotten(), before_commit=before_commit)
+        with progress:
+            report = sync_archive(pipeline.archive(), layout, forgotten=pipeline.forgotten(),
+                                  before_commit=before_commit, progress=sync_progress)
     except BlockedByChecks as exc:
         context.log.error(f"blocking checks failed ({exc}): nothing of those users written, the previous version "
                           "stays; the files stay pending, so the next run redoes them")
         return dg.MaterializeResult(check_results=[check_result(n, o) for n, o in blocked.items()],
                                     metadata={"users": len(users), "blocked_by": str(exc), **version_metadata("turns")})
+    fault_point("turns.synced")  # interleaving tests: the archive sync committed, this step's reads not yet done
     context.log.info(
         f"archive sync: {len(report.new)} new, {len(report.changed)} changed, {len(report.gone)} gone, "
         f"{report.unchanged} unchanged files; {report.files_read} read, {report.users_rebuilt} users rebuilt"
@@ -81,6 +101,14 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
     )
     schema_ok = checks.schema_conforms(run, dict(TURN_POLARS_SCHEMA), "turns")
     ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
+    if not ceiling.passed:  # what the operator looks at: the run users' bad rows by field, and where they are
+        run_bad = layout.read_table("quarantine", users)
+        if run_bad is not None and run_bad.height:
+            by = run_bad.group_by("field").len().sort(["len", "field"], descending=[True, False])
+            ceiling.metadata["quarantined_by_field"] = ", ".join(f"{f} {n}" for f, n in by.rows())
+        ceiling.metadata["quarantine_table"] = layout.table_dir("quarantine")
+    # bucket scheme: what the planner compares with the archive (assets/partitions.py)
+    record_materialized(context, pipeline, {u: recorded_form(s["fingerprint"]) for u, s in stats.items()})
     return dg.MaterializeResult(
         check_results=[
             check_result("schema_conforms", schema_ok),

@@ -6,7 +6,7 @@ import dagster as dg
 import polars as pl
 
 from assets.episodes import episodes
-from assets.check_results import gate
+from assets.check_results import gate, no_users_result
 from assets.progress import ProgressLogger
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
 from qumem_pipeline.contracts import checks
@@ -52,6 +52,8 @@ def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
 )
 def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource) -> dg.MaterializeResult:
     users = run_user_ids(context)
+    if not users:
+        return no_users_result(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
     inputs = []
@@ -75,8 +77,9 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     t_llm = time.perf_counter()
     store = CheckpointStore(layout).set_flush_policy(CHECKPOINT_FLUSH_S, CHECKPOINT_FLUSH_CALLS)
     try:
-        out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc), max_tokens=llm.max_tokens,
-                                 checkpoint=store, progress=ProgressLogger(context.log, "LLM calls (checkpointed)"))
+        with ProgressLogger(context.log, "LLM calls (checkpointed)") as progress:
+            out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc),
+                                     max_tokens=llm.max_tokens, checkpoint=store, progress=progress)
     except LLMError as exc:
         saved = len(getattr(exc, "finished_outcomes", None) or [])
         raise dg.Failure(

@@ -8,23 +8,26 @@
   store (`qumem_pipeline.contracts.buckets`, `QUMEM_BUCKETS`, default 64: the same N and hash the
   store uses), for deployments past that size; partition count stays N at any user count.
 
-In both schemes the registry of known users is the instance's dynamic partitions named `users`
-(`USER_REGISTRY`: registration, `qumem users`, `forget` are unchanged). No asset body branches
-on the scheme: every asset calls `users_for_run(context)`, the one function that maps a run's
-partition keys to its users. A run launched by the planner (`assets/planning.py`: the nightly
-schedule, the discovery sensor, `qumem run`) may also name exactly which of those users it is for
-(a digest tag, the list in the instance's key-value store), so a bucket run rebuilds its changed
-users only; a run without that tag (a UI backfill of some buckets) takes every registered user of
-its buckets, and the memories stage's finished-call checkpoints keep it from paying LLM calls twice.
+The registry of known users: in `users`, the instance's dynamic partitions named `users`
+(`USER_REGISTRY`: what the UI lists); in `user_buckets`, the `user_registry` Delta table of the
+data root (qumem_pipeline/storage/user_registry.py: each user's bucket, registration and last
+materialized fingerprints), so no per-user state is kept in the instance and a reader of some
+buckets opens only their files. Registration, `qumem users` and `forget` work the same in both.
+No asset body branches on the scheme: every asset calls `users_for_run(context)`, the one
+function that maps a run's partition keys to its users. A run launched by the planner
+(`assets/planning.py`: the nightly schedule, the discovery sensor, `qumem run`) in the bucket
+scheme names exactly which users it is for: a digest tag, the list in the data root's `run_users`
+table, read from the run's buckets only; so a bucket run rebuilds its changed users only. A run
+without that tag (a UI backfill of some buckets) takes every registered user of its buckets, and
+the memories stage's finished-call checkpoints keep it from paying LLM calls twice.
 
 Dagster uses the smallest max_partitions_per_run across a selection, so all assets must carry the
 same policy or a backfill silently degrades to one partition per run.
 """
 
-import hashlib
-import json
 import os
 import warnings
+from pathlib import Path
 
 import dagster as dg
 
@@ -42,10 +45,10 @@ USERS_PER_RUN = int(os.environ.get("QUMEM_USERS_PER_RUN", "50"))
 # UI backfills in the bucket scheme: buckets per run (each holds ~users/N_BUCKETS users).
 BUCKETS_PER_RUN = int(os.environ.get("QUMEM_BUCKETS_PER_RUN", "1"))
 
-USER_REGISTRY = "users"  # dynamic partitions holding every registered user, in both schemes
-RUN_USERS_TAG = "qumem/run_users"  # digest of the run's user list (stored under RUN_USERS_KV_PREFIX)
+USER_REGISTRY = "users"  # dynamic partitions holding every registered user (`users` scheme)
+RUN_USERS_TAG = "qumem/run_users"  # digest of the run's user list (rows of the data root's `run_users` table)
 RUN_USERS_COUNT_TAG = "qumem/run_users_count"
-RUN_USERS_KV_PREFIX = "qumem/run_users/"
+RUN_USERS_KV_PREFIX = "qumem/run_users/"  # where lists lived in the instance before run_users (erasure scrubs them)
 
 
 def bucket_partition_keys(n_buckets: int = N_BUCKETS) -> list[str]:
@@ -73,14 +76,45 @@ def partition_key_of(user_id: str, scheme: str = SCHEME) -> str:
     return user_id if scheme == "users" else bucket_key(user_bucket(user_id, N_BUCKETS), N_BUCKETS)
 
 
-def registered_users(instance: dg.DagsterInstance) -> list[str]:
-    """Every registered user, in registration order."""
+def _store_buckets(keys, n_store: int) -> set[int]:
+    """Store buckets (the tables' N) that hold the users of partition keys `keys` (the scheme's N):
+    the buckets b with b mod N_BUCKETS among the keys' buckets when the store's N is a multiple
+    of it (the same hash: contracts/buckets.py), else every bucket (then filtered by key)."""
+    wanted = {int(k[1:]) for k in keys}
+    if n_store % N_BUCKETS:
+        return set(range(n_store))
+    return {b for b in range(n_store) if b % N_BUCKETS in wanted}
+
+
+def _data_root(pipeline=None) -> str:
+    """The data root of the Delta registry: the pipeline resource's, else QUMEM_DATA_ROOT (the default
+    resources' fallback)."""
+    if pipeline is not None:
+        return pipeline.data_root
+    return os.environ.get("QUMEM_DATA_ROOT") or str(Path.cwd() / "data")
+
+
+def user_registry(pipeline=None):
+    """The Delta registry of the bucket scheme (qumem_pipeline/storage/user_registry.py)."""
+    from qumem_pipeline.storage.user_registry import UserRegistry
+
+    return UserRegistry(_data_root(pipeline))
+
+
+def registered_users(instance: dg.DagsterInstance, pipeline=None) -> list[str]:
+    """Every registered user: in registration order (`users`: the dynamic partitions), or sorted
+    (`user_buckets`: the Delta registry of the pipeline's data root)."""
+    if SCHEME == "user_buckets":
+        return user_registry(pipeline).users()
     return list(instance.get_dynamic_partitions(USER_REGISTRY))
 
 
-def register_users(instance: dg.DagsterInstance, users: list[str]) -> list[str]:
+def register_users(instance: dg.DagsterInstance, users: list[str], pipeline=None,
+                   fingerprints: dict[str, str] | None = None, known=None) -> list[str]:
     """Add the users not yet registered; returns those added."""
-    known = set(registered_users(instance))
+    if SCHEME == "user_buckets":
+        return user_registry(pipeline).register(users, fingerprints, known=known)
+    known = set(registered_users(instance)) if known is None else set(known)
     new = [u for u in users if u not in known]
     if new:
         instance.add_dynamic_partitions(USER_REGISTRY, new)
@@ -90,10 +124,12 @@ def register_users(instance: dg.DagsterInstance, users: list[str]) -> list[str]:
 _IN_CHUNK = 1000
 
 
-def registered_among(instance: dg.DagsterInstance, users: list[str]) -> set[str]:
-    """Which of `users` are registered: an indexed query for just those keys where the instance's
-    event log is Dagster's SQL storage (SQLite, PostgreSQL), instead of reading the whole registry
-    (0.5 s at 100,000 users on PostgreSQL, once per bucket run)."""
+def registered_among(instance: dg.DagsterInstance, users: list[str], pipeline=None) -> set[str]:
+    """Which of `users` are registered: the Delta registry's buckets of those users (bucket scheme),
+    or an indexed query for just those keys where the instance's event log is Dagster's SQL storage
+    (SQLite, PostgreSQL), instead of reading the whole registry."""
+    if SCHEME == "user_buckets":
+        return user_registry(pipeline).among(users)
     from dagster._core.storage.event_log.schema import DynamicPartitionsTable
     from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
@@ -110,67 +146,115 @@ def registered_among(instance: dg.DagsterInstance, users: list[str]) -> set[str]
     return found
 
 
-def users_of_keys(instance: dg.DagsterInstance, keys: list[str], scheme: str = SCHEME) -> list[str]:
-    """Partition keys -> users: the keys themselves, or the registered users in those buckets."""
+def users_of_keys(instance: dg.DagsterInstance, keys: list[str], scheme: str = SCHEME, pipeline=None) -> list[str]:
+    """Partition keys -> users: the keys themselves, or the registered users in those buckets (the
+    registry's files of those buckets only)."""
     if scheme == "users":
         return list(keys)
+    reg = user_registry(pipeline)
     wanted = set(keys)
-    return sorted(u for u in registered_users(instance) if partition_key_of(u, scheme) in wanted)
+    users = reg.users(_store_buckets(wanted, reg.n_buckets))
+    return [u for u in users if partition_key_of(u, scheme) in wanted]
 
 
 def users_digest(users: list[str]) -> str:
-    return hashlib.sha256("\n".join(sorted(users)).encode("utf-8")).hexdigest()[:32]
+    from qumem_pipeline.storage.user_registry import users_digest as digest
+
+    return digest(users)
 
 
-def store_run_users(instance: dg.DagsterInstance, users: list[str]) -> dict[str, str]:
-    """Record a run's exact user list in the instance (shared by every host and step pod); returns
-    the tags that point a run at it."""
-    digest = users_digest(users)
-    instance.run_storage.set_cursor_values({RUN_USERS_KV_PREFIX + digest: json.dumps(sorted(users))})
+def run_tags(users: list[str], digest: str) -> dict[str, str]:
     return {RUN_USERS_TAG: digest, RUN_USERS_COUNT_TAG: str(len(users))}
 
 
-def _planned_users(instance: dg.DagsterInstance, tags) -> set[str] | None:
-    digest = tags.get(RUN_USERS_TAG)
+def store_run_users(instance: dg.DagsterInstance, users: list[str], pipeline=None) -> dict[str, str]:
+    """Record a run's exact user list in the data root's `run_users` table (read by every host and
+    step pod); returns the tags that point a run at it (the digest: the instance holds no list)."""
+    (digest,) = user_registry(pipeline).store_run_users([users])
+    return run_tags(users, digest)
+
+
+def record_materialized(context: dg.AssetExecutionContext, pipeline, fingerprints: dict[str, str]) -> None:
+    """Bucket scheme: the run's users' published fingerprints into the Delta registry (what the
+    nightly schedule and the sensor compare the archive with). The `users` scheme reads them from
+    the event log (assets/planning.py)."""
+    if SCHEME == "user_buckets" and fingerprints:
+        user_registry(pipeline).record_materialized(fingerprints, context.run.run_id)
+
+
+def _planned_users(context: dg.AssetExecutionContext, keys: list[str]) -> list[str] | None:
+    """The planned users of this run's buckets (the `run_users` files of those buckets only)."""
+    digest = context.run.tags.get(RUN_USERS_TAG)
     if not digest:
         return None
-    stored = instance.run_storage.get_cursor_values({RUN_USERS_KV_PREFIX + digest})
-    if RUN_USERS_KV_PREFIX + digest not in stored:
-        raise dg.Failure(f"run tag {RUN_USERS_TAG}={digest} names a user list the instance does not hold")
-    return set(json.loads(stored[RUN_USERS_KV_PREFIX + digest]))
+    pipeline = getattr(context.resources, "pipeline", None)
+    users = planned_users_of(pipeline, digest, keys)
+    if not users:
+        forgotten = pipeline.forgotten() if pipeline is not None and hasattr(pipeline, "forgotten") else None
+        if users is None or not (forgotten is not None and len(forgotten)):
+            # a forget (it erases the user from run_users too) is the one way a planned list empties
+            raise dg.Failure(f"run tag {RUN_USERS_TAG}={digest} names a user list the data root does not hold")
+        return []
+    return users
+
+
+def planned_users_of(pipeline, digest: str, keys: list[str]) -> list[str] | None:
+    """The users of the run list `digest` in partitions `keys`: the `run_users` files of those buckets
+    only (None: no such table)."""
+    reg = user_registry(pipeline)
+    users = reg.run_users(digest, _store_buckets(keys, reg.n_buckets))
+    if users is None:
+        return None
+    wanted = set(keys)
+    return [u for u in users if partition_key_of(u) in wanted]
 
 
 # run id + partition keys -> that run's users, for the steps of one run executed by one process (the
-# in-process executor, `qumem run`): in the bucket scheme each lookup reads the whole user registry
-# (100,000 rows at 100,000 users), once per run instead of once per step. A few runs' worth is kept.
+# in-process executor, `qumem run`): one read of the run's buckets per run instead of one per step.
 _run_users_memo: dict[tuple[str, tuple[str, ...]], list[str]] = {}
 _RUN_USERS_MEMO_SIZE = 8
 
 
+def resolve_run_users(context: dg.AssetExecutionContext) -> list[str]:
+    """A run's users from its partition keys and tags, before validation and the forgotten check."""
+    keys = list(context.partition_keys)
+    if SCHEME == "user_buckets":
+        planned = _planned_users(context, keys)
+        if planned is not None:
+            return planned
+        return users_of_keys(context.instance, keys, pipeline=getattr(context.resources, "pipeline", None))
+    return users_of_keys(context.instance, keys)
+
+
 def users_for_run(context: dg.AssetExecutionContext) -> list[str]:
     """The users of this run, validated before they become paths or SQL: its partitions' users,
-    narrowed to the run's planned users when it names them."""
+    narrowed to the run's planned users when it names them (bucket scheme)."""
     from qumem_pipeline.contracts.ids import validate_user_id
 
     memo_key = (context.run.run_id, tuple(context.partition_keys))
     if memo_key in _run_users_memo:
-        return list(_run_users_memo[memo_key])
-    planned = _planned_users(context.instance, context.run.tags)
-    if planned is not None and SCHEME == "user_buckets":
-        # the planned users of these buckets that are still registered (forget unregisters)
-        wanted = set(memo_key[1])
-        mine = sorted(u for u in planned if partition_key_of(u) in wanted)
-        registered = registered_among(context.instance, mine)
-        users = [u for u in mine if u in registered]
-    else:
-        users = users_of_keys(context.instance, list(memo_key[1]))
-        if planned is not None:
-            users = [u for u in users if u in planned]
-    users = [validate_user_id(u) for u in users]
+        return not_forgotten(context, _run_users_memo[memo_key])
+    users = [validate_user_id(u) for u in resolve_run_users(context)]
     while len(_run_users_memo) >= _RUN_USERS_MEMO_SIZE:
         _run_users_memo.pop(next(iter(_run_users_memo)))
     _run_users_memo[memo_key] = users
-    return list(users)
+    return not_forgotten(context, users)
+
+
+def not_forgotten(context: dg.AssetExecutionContext, users: list[str]) -> list[str]:
+    """`users` less those forgotten as of now (the registry read at each step, never memoized): a
+    forget that lands while a run covering the user is going on (`forget_user_job` waits for that
+    run before it scrubs the instance) has deleted the user's rows, so a later step would find the
+    user's upstream rows missing and fail the whole run. It skips them instead (their commits drop
+    them anyway); a forget never fails the run of the other users."""
+    pipeline = getattr(context.resources, "pipeline", None)
+    forgotten = pipeline.forgotten() if pipeline is not None and hasattr(pipeline, "forgotten") else None
+    if forgotten is None or not len(forgotten):
+        return list(users)
+    gone = [u for u in users if forgotten.contains(u)]
+    if gone:
+        context.log.info(f"{len(gone)} user(s) of this run were forgotten since it started: skipped")
+    return [u for u in users if u not in set(gone)]
 
 
 run_user_ids = users_for_run  # the name the asset bodies use

@@ -5,41 +5,22 @@ import dagster as dg
 import polars as pl
 
 from assets.ingest import turns
-from assets.check_results import gate
+from assets.check_results import gate, no_users_result
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
-from assets.progress import ProgressLogger
-from assets.adamem import GRAPH_EDGES, GRAPH_NODES, memory_graph
+from assets.progress import ProgressLogger, llm_call_progress
+from assets.adamem import memory_graph
 from assets.llm_calls import checkpointed_llm, ledger_metadata, llm_failure
 from assets.retrieval import memory_indexes
 from qumem_pipeline.contracts import checks
+from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.llm.base import LLMError
 from qumem_pipeline.memories.call_ledger import QUERY_TABLES
-from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever, UserBundle
 from qumem_pipeline.query.queries import read_queries, to_queries
+from qumem_pipeline.query.retrievers import MissingUpstream, retriever_for
 from qumem_pipeline.query.strategies.registry import get_strategy
-from qumem_pipeline.query.retrieval import TypedMemoryRetriever
 from assets.versions import code_version, version_metadata
-from qumem_pipeline.index.vector_store import VectorStore
 from resources import PipelineConfig
 from resources.models import EmbedderResource, LLMResource
-
-
-def adamem_retriever(layout, users, turns_by_user, mems, embedder):
-    """AdaMem bundles from the existing tables: turns, memories (+ their embeddings), graph, profiles."""
-    emb = layout.read_table("memory_embeddings", users)
-    if emb is not None and set(emb["embedding_model"].unique().to_list()) == {embedder.version}:
-        vectors = dict(zip(emb["memory_id"].to_list(), emb["embedding"].to_numpy()))
-    else:  # none yet, or from another model: embed the memories with the query embedder
-        vectors = None
-    bundles = {}
-    for u in users:
-        nodes, edges = layout.read_user_table(GRAPH_NODES, u), layout.read_user_table(GRAPH_EDGES, u)
-        if turns_by_user.get(u) is None or nodes is None or edges is None:
-            raise dg.Failure(f"user {u}: materialize `turns` and `memory_graph` first (strategy adamem)")
-        bundles[u] = UserBundle.build(u, turns_by_user[u], mems.filter(pl.col("user_id") == u), embedder,
-                                      nodes=nodes, edges=edges, profiles=layout.read_user_table("persona_profiles", u),
-                                      memory_vectors=vectors)
-    return AdaMemRetriever(bundles, embedder)
 
 
 @dg.asset(
@@ -60,6 +41,8 @@ def query_states(
     context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource, embedder: EmbedderResource
 ) -> dg.MaterializeResult:
     users = run_user_ids(context)
+    if not users:
+        return no_users_result(context)
     layout = pipeline.layout()
     t0 = time.perf_counter()
     if not pipeline.queries_path:
@@ -90,21 +73,27 @@ def query_states(
             "queries": len(queries), "blocked_by": "evidence_turns_exist", "seconds": round(time.perf_counter() - t0, 3),
             **version_metadata("query_states")})
     strategy = get_strategy(pipeline.query_strategy)
-    if strategy.retriever_kind == "adamem":
-        retriever = adamem_retriever(layout, [u for u in users if u not in no_history], turns_by_user, mems, embedder.model)
-    else:
-        retriever = TypedMemoryRetriever(VectorStore(layout), embedder.model, mems)
+    try:
+        retriever = retriever_for(strategy, layout, [u for u in users if u not in no_history], turns_by_user, mems,
+                                  embedder.model)
+    except MissingUpstream as exc:
+        raise dg.Failure(str(exc)) from exc
     k = strategy.default_k if strategy.default_k is not None else pipeline.retrieval_k
-    progress = ProgressLogger(context.log, "query-state stages")
+    progress = ProgressLogger(context.log, f"user states for {len(queries)} queries")
     created_at = datetime.now(timezone.utc)
     # every A1/A2/A3/answer call checkpointed per user and ledgered: a rerun pays for no finished call
     calls = checkpointed_llm(layout, QUERY_TABLES, llm.backend, "query_states", strategy.version, created_at)
+    # each agent's batch reports per finished call; the heartbeat covers retrieval and long batches
+    calls.progress = llm_call_progress(progress)
+
+    def stage_done(stage: str, done: int, total: int) -> None:
+        context.log.info(f"{stage} done ({done}/{total} queries)")
+        progress.stage(f"next stage after {stage}")
+
     try:
-        out = strategy.infer(
-            queries, calls, retriever, k=k,
-            respond=pipeline.respond, created_at=created_at,
-            progress=lambda stage, done, total: progress(done, total) or context.log.info(f"stage done: {stage}"),
-        )
+        with progress:
+            out = strategy.infer(queries, calls, retriever, k=k, respond=pipeline.respond, created_at=created_at,
+                                 progress=stage_done)
     except LLMError as exc:
         raise llm_failure(exc, calls) from exc
     future = checks.no_future_citations(out.states, mems)
@@ -116,6 +105,9 @@ def query_states(
         calls.compact(users)
 
     check_results, _ = gate(context, {"no_citation_after_as_of": future, "evidence_turns_exist": evidence}, publish)
+    # interleaving tests: the last step before `warehouse` has committed. (Not inside the warehouse step: a
+    # forget's data op shares its pool, so it waits for that step instead of landing inside it.)
+    fault_point("query_states.committed")
     return dg.MaterializeResult(
         check_results=check_results,
         metadata={

@@ -1,8 +1,8 @@
 """Nightly incremental rebuild: only users whose archive content changed since their last `turns`.
 
 Each tick fingerprints the archive per user (the same function `turns` records), reads the
-fingerprint recorded in each user's latest `turns` materialization from the event log, registers
-new users as partitions and requests `main_job` runs for new/changed users only. Unchanged users
+fingerprint its latest `turns` materialization published (the event log, or the data root's
+`user_registry` in the bucket scheme), registers new users and requests `main_job` runs for new/changed users only. Unchanged users
 cost the check and nothing else. A registered user that left the archive (its source files were
 withdrawn) is rebuilt once as empty: every downstream table and the warehouse lose its rows.
 
@@ -17,10 +17,9 @@ import os
 
 import dagster as dg
 
-from assets.partitions import USERS_PER_RUN, register_users, registered_users
-from assets.planning import TURNS_KEY, latest_ids, live_users, pack_runs, recorded_fingerprints, recorded_state  # noqa: F401
+from assets.partitions import USERS_PER_RUN, register_users
+from assets.planning import TURNS_KEY, latest_ids, live_users, pack_runs, plan_users, recorded_fingerprints, recorded_state  # noqa: F401
 from qumem_pipeline.ingest.discovery import discover
-from qumem_pipeline.ingest.incremental import plan_rebuild
 from resources import PipelineConfig
 
 NIGHTLY_CRON = os.environ.get("QUMEM_NIGHTLY_CRON") or "0 2 * * *"
@@ -52,9 +51,8 @@ def build_nightly_schedule(
     )
     def _nightly(context: dg.ScheduleEvaluationContext, pipeline: PipelineConfig):
         found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
-        registered = registered_users(context.instance)
-        recorded, incomplete = recorded_state(context.instance, registered, final_key)
-        plan = plan_rebuild(found.fingerprints, live_users(registered, pipeline.forgotten()), recorded, incomplete)
+        planned = plan_users(context.instance, pipeline, found.fingerprints, final_key)
+        plan, incomplete = planned.plan, planned.incomplete
         context.log.info(
             f"nightly check: {len(found.fingerprints)} users, {len(plan.new)} new, "
             f"{len(plan.changed)} changed or unfinished ({len(incomplete)} unfinished), "
@@ -63,11 +61,11 @@ def build_nightly_schedule(
         if not plan.to_rebuild:
             return dg.SkipReason(f"all {len(plan.unchanged)} users unchanged since their last materialization")
         # Schedules cannot return partition requests; adding them here is what the daemon would do.
-        register_users(context.instance, plan.new)
-        order = registered + plan.new  # dynamic partitions keep insertion order
+        register_users(context.instance, plan.new, pipeline, found.fingerprints, known=())
+        order = planned.order  # dynamic partitions keep insertion order (`users` scheme)
         tick = context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else "manual"
         return [run.run_request(f"{tick}:{run.label}",
                                 {"qumem/nightly_users": str(len(run.users))})
-                for run in pack_runs(context.instance, order, plan.to_rebuild, users_per_run)]
+                for run in pack_runs(context.instance, order, plan.to_rebuild, users_per_run, pipeline=pipeline)]
 
     return _nightly

@@ -1,5 +1,6 @@
-"""Discovery sensor: registers users found in the archive and requests range runs for new or
-changed ones, and for registered users that left it (emptied downstream), at most
+"""Discovery sensor: registers users found in the archive (the daemon adds them as dynamic partitions
+in the `users` scheme; the tick appends them to the data root's `user_registry` in `user_buckets`)
+and requests range runs for new or changed ones, and for registered users that left it (emptied downstream), at most
 QUMEM_USERS_PER_RUN users per run, packed as the nightly schedule packs them.
 
 What was built lives in the instance (the fingerprints `turns` records), not in the cursor: the
@@ -13,10 +14,9 @@ import hashlib
 
 import dagster as dg
 
-from assets.partitions import USER_REGISTRY, USERS_PER_RUN, registered_users
-from assets.planning import TURNS_KEY, live_users, pack_runs, recorded_state
+from assets.partitions import SCHEME, USER_REGISTRY, USERS_PER_RUN, register_users
+from assets.planning import TURNS_KEY, pack_runs, plan_users  # noqa: F401
 from qumem_pipeline.ingest.discovery import discover
-from qumem_pipeline.ingest.incremental import plan_rebuild
 from resources import PipelineConfig
 
 MAIN_JOB_NAME = "main_job"
@@ -45,11 +45,12 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
         digest = archive_digest(found.fingerprints)
         if context.cursor == digest:
             return dg.SkipReason(f"archive unchanged since the last tick ({len(found.fingerprints)} users)")
-        registered = registered_users(context.instance)
         # New or changed content only: finishing interrupted runs is the nightly schedule's job.
-        recorded, _ = recorded_state(context.instance, registered, None)
-        plan = plan_rebuild(found.fingerprints, live_users(registered, pipeline.forgotten()), recorded)
-        runs = pack_runs(context.instance, registered + plan.new, plan.to_rebuild, users_per_run)
+        planned = plan_users(context.instance, pipeline, found.fingerprints, None)
+        plan, recorded = planned.plan, planned.recorded
+        if SCHEME == "user_buckets":  # the registry is the data root's table: registered here, not by the daemon
+            register_users(context.instance, plan.new, pipeline, found.fingerprints, known=())
+        runs = pack_runs(context.instance, planned.order, plan.to_rebuild, users_per_run, pipeline=pipeline)
         requests = []
         for run in runs:
             # a user that left the archive has no fingerprint: "gone" + the content it left with
@@ -61,7 +62,7 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
                          f"{len(plan.removed)} left the archive, {len(requests)} runs requested")
         return dg.SensorResult(
             run_requests=requests,
-            dynamic_partitions_requests=[registry.build_add_request(plan.new)] if plan.new else [],
+            dynamic_partitions_requests=[registry.build_add_request(plan.new)] if plan.new and SCHEME == "users" else [],
             cursor=digest,
         )
 

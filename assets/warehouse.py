@@ -2,12 +2,14 @@ import time
 
 import dagster as dg
 
+from assets.check_results import no_users_result
 from assets.adamem import persona_profiles
 from assets.episodes import episodes
 from assets.ingest import turns
 from assets.memories import memories
 from assets.query_states import query_states
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
+from assets.progress import ProgressLogger
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.storage.warehouse import WAREHOUSE_TABLES
 from assets.versions import code_version, version_metadata
@@ -29,9 +31,12 @@ WAREHOUSE_UPSTREAMS = [turns, episodes, memories, query_states, persona_profiles
 )
 def warehouse(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.MaterializeResult:
     users = run_user_ids(context)
+    if not users:
+        return no_users_result(context)
     t0 = time.perf_counter()
     wh = pipeline.warehouse()
-    loaded = wh.load_users(pipeline.layout(), users, WAREHOUSE_TABLES)
+    with ProgressLogger(context.log, f"warehouse tables loaded ({len(users)} users)") as progress:
+        loaded = wh.load_users(pipeline.layout(), users, WAREHOUSE_TABLES, progress=progress)
     # Unattributed quarantine rows belong to no user partition but must be visible too.
     wh.load_unattributed(pipeline.layout(), UNATTRIBUTED)
     return dg.MaterializeResult(

@@ -1,24 +1,32 @@
-"""Ingest bench: streaming, incremental ingest of a generated multi-file archive, against a plain
-polars streaming read of the same files plus one Parquet write, measured in the same run.
+"""Ingest bench: streaming, incremental ingest of a generated multi-file archive, against two
+plain-polars baselines over the same files, measured in the same run.
 
 Per configuration (`--turns`, one or more; default 1,000,000), each measured phase runs in a
 child process of its own, so its peak RSS (getrusage of that child) is its own:
 
 - `baseline`: `pl.scan_ndjson(files).sink_parquet(one file)` (polars streaming engine);
+- `contract`: the passes the ingest's contract cannot avoid, in plain polars: read every file
+  (with its path and row number), one content hash (a polars hash of each row's content columns),
+  a sort by user and history order (user, parsed timestamp, file, row), and one Parquet write
+  bucketed by user (64 buckets, `sink_parquet(pl.PartitionBy(...))`). No validation, quarantine,
+  duplicates, provenance, manifest, fingerprints per user, Delta commits or bounded memory (the
+  sort is in memory): `ratio_contract` = contract seconds / ingest seconds says how close the
+  ingest is to the work its output requires;
 - `ingest`: `sync_archive` into a fresh data root: read in blocks, validate, spill by user bucket,
   merge, write every table, fingerprints, manifest;
 - `incremental`: one new file of 10,000 turns (later turns of 100 existing users) added to the
   ingested archive, then `sync_archive` again (change detection over every file + ingest);
 - `read`: 100 users' turns read back through DataLayout (best of 3);
-- `hash`: the sha256 + line-count pass over the archive's files that every ingest of new files
-  makes (the manifest's content hash; rows must be lines), alone: `ratio_ceiling` = baseline /
-  (baseline + this pass) bounds `ratio` from above with everything else of the ingest free;
+- `hash`: the content-hash (BLAKE3) + line-count pass over the archive's files that every ingest
+  of new files makes (the manifest's content hash; rows must be lines), alone: `ratio_ceiling` =
+  baseline / (baseline + this pass) bounds `ratio` from above with everything else of the ingest free;
 - `readers` (first configuration only): the candidate bounded readers timed over the same files;
 - `writers` (first configuration only): the ingested turns table written again by delta-rs'
   writer and by the store's add-only path (storage/file_commit.py), CPU seconds each.
 
 Keys of the last JSON line (figures of the largest configuration): `ratio` (baseline seconds /
-ingest seconds), `peak_rss_mb` (ingest child), `incremental_ratio` (incremental seconds / full
+ingest seconds), `ratio_contract` (contract seconds / ingest seconds), `cpu_ratio` and
+`cpu_ratio_contract` (the same with CPU seconds of the children), `peak_rss_mb` (ingest child), `incremental_ratio` (incremental seconds / full
 ingest seconds), `files_per_table`; with two configurations also `rss_growth` (peak of the
 largest / peak of the smallest) and `read_ratio_10m_vs_1m` (100-user read, largest / smallest);
 `configs` holds every configuration's figures.
@@ -119,6 +127,8 @@ def phase(name: str, work: Path) -> dict:
     if name == "baseline":
         pl.scan_ndjson(sorted(archive.glob("*.jsonl"))).sink_parquet(work / "baseline.parquet", compression="zstd")
         out["rows"] = pl.scan_parquet(work / "baseline.parquet").select(pl.len()).collect().item()
+    elif name == "contract":
+        out["rows"] = contract_baseline(sorted(archive.glob("*.jsonl")), work / "contract")
     elif name in ("ingest", "incremental"):
         from qumem_pipeline.ingest.sync import sync_archive
 
@@ -139,16 +149,28 @@ def phase(name: str, work: Path) -> dict:
     elif name == "writers":
         out.update(compare_writers(data, work / "writers"))
     elif name == "hash":
-        from qumem_pipeline.ingest.stream import _hash_and_count_lines
+        from qumem_pipeline.ingest.stream import _hash_and_count_lines, content_hasher
 
-        import hashlib
-
-        out["lines"] = sum(_hash_and_count_lines(f, hashlib.sha256()) for f in sorted(archive.glob("*.jsonl")))
+        out["lines"] = sum(_hash_and_count_lines(f, content_hasher()) for f in sorted(archive.glob("*.jsonl")))
     out["seconds"] = round(time.perf_counter() - t, 3)
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 2)  # all threads: steadier than wall time on a busy box
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return out
+
+
+CONTENT = ["user_id", "conversation_id", "session_id", "role", "speaker", "text", "timestamp", "source_ref"]
+
+
+def contract_baseline(files: list[Path], out: Path, buckets: int = 64) -> int:
+    """The contract's unavoidable passes in plain polars (see the module doc); rows written."""
+    lf = pl.scan_ndjson(files, row_index_name="_row", include_file_paths="_file").with_columns(
+        timestamp=pl.col("timestamp").str.to_datetime("%Y-%m-%dT%H:%M:%SZ", strict=False, time_unit="us", time_zone="UTC"),
+        _content_hash=pl.struct(CONTENT).hash(),
+        _bucket=pl.col("user_id").hash(seed=0) % buckets,
+    ).sort("_bucket", "user_id", "timestamp", "_file", "_row")
+    lf.sink_parquet(pl.PartitionBy(out, key="_bucket", include_key=False), compression="zstd", mkdir=True)
+    return pl.scan_parquet(out / "**" / "*.parquet").select(pl.len()).collect().item()
 
 
 def compare_readers(files: list[Path]) -> dict:
@@ -233,8 +255,11 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
         mb = sum(f.stat().st_size for f in files) / 1e6
         print(f"[{n_turns:,} turns] generated {len(files)} files, {mb:,.0f} MB in {gen_s:.0f}s", file=sys.stderr, flush=True)
         base = run_child("baseline", work)
+        contract = run_child("contract", work)
+        shutil.rmtree(work / "contract", ignore_errors=True)
         ingest = run_child("ingest", work)
-        assert ingest["rows_read"] == base["rows"] == n_turns // n_users * n_users and ingest["quarantined"] == 0
+        assert ingest["rows_read"] == base["rows"] == contract["rows"] == n_turns // n_users * n_users
+        assert ingest["quarantined"] == 0
         read = run_child("read", work)
         # the pass over the archive's bytes the manifest needs (sha256 + line count), alone
         hashed = run_child("hash", work)
@@ -247,11 +272,15 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
             "generate_s": round(gen_s, 1),
             "baseline_s": base["seconds"], "ingest_s": ingest["seconds"],
             "ratio": round(base["seconds"] / ingest["seconds"], 3),
+            "contract_s": contract["seconds"],
+            "ratio_contract": round(contract["seconds"] / ingest["seconds"], 3),
             "turns_per_s": round(base["rows"] / ingest["seconds"]),
             "peak_rss_mb": ingest["peak_rss_mb"], "baseline_peak_rss_mb": base["peak_rss_mb"],
+            "contract_peak_rss_mb": contract["peak_rss_mb"],
             # CPU seconds (all threads) of each child: the work done, steadier than wall time under load
-            "baseline_cpu_s": base["cpu_s"], "ingest_cpu_s": ingest["cpu_s"],
+            "baseline_cpu_s": base["cpu_s"], "contract_cpu_s": contract["cpu_s"], "ingest_cpu_s": ingest["cpu_s"],
             "cpu_ratio": round(base["cpu_s"] / ingest["cpu_s"], 3),
+            "cpu_ratio_contract": round(contract["cpu_s"] / ingest["cpu_s"], 3),
             "ingest_stages_s": ingest["stages_s"],
             # a ceiling for `ratio`: the baseline plus only the content-hash pass every ingest of
             # new files makes (nothing else of the ingest counted)
@@ -288,8 +317,8 @@ def main() -> int:
     for i, n in enumerate(sorted(args.turns)):
         configs[n] = run_config(n, args.users_per_1m, readers=(i == 0 and not args.no_readers))
     small, large = configs[min(configs)], configs[max(configs)]
-    out = {k: large[k] for k in ("turns", "ratio", "cpu_ratio", "ratio_ceiling", "cpu_ratio_ceiling", "peak_rss_mb",
-                                 "incremental_ratio", "files_per_table")}
+    out = {k: large[k] for k in ("turns", "ratio", "ratio_contract", "cpu_ratio", "cpu_ratio_contract", "ratio_ceiling",
+                                 "cpu_ratio_ceiling", "peak_rss_mb", "incremental_ratio", "files_per_table")}
     if len(configs) > 1:
         out["rss_growth"] = round(large["peak_rss_mb"] / small["peak_rss_mb"], 3)
         out[f"read_ratio_{max(configs) // 1_000_000}m_vs_{min(configs) // 1_000_000}m"] = round(
@@ -297,9 +326,11 @@ def main() -> int:
         if (max(configs), min(configs)) == (10_000_000, 1_000_000):
             out["read_ratio_10m_vs_1m"] = out["read_ratio_10m_vs_1m"]
     out["configs"] = {str(n): c for n, c in configs.items()}
-    print(f"{'turns':>12}{'MB':>8}{'baseline s':>12}{'ingest s':>10}{'ratio':>8}{'peak MB':>9}{'incr s':>8}{'incr ratio':>11}{'read100 s':>10}")
+    print(f"{'turns':>12}{'MB':>8}{'baseline s':>12}{'contract s':>12}{'ingest s':>10}{'ratio':>8}{'r_contract':>11}"
+          f"{'peak MB':>9}{'incr s':>8}{'incr ratio':>11}{'read100 s':>10}")
     for n, c in configs.items():
-        print(f"{n:>12,}{c['archive_mb']:>8,.0f}{c['baseline_s']:>12.2f}{c['ingest_s']:>10.2f}{c['ratio']:>8.3f}"
+        print(f"{n:>12,}{c['archive_mb']:>8,.0f}{c['baseline_s']:>12.2f}{c['contract_s']:>12.2f}{c['ingest_s']:>10.2f}"
+              f"{c['ratio']:>8.3f}{c['ratio_contract']:>11.3f}"
               f"{c['peak_rss_mb']:>9.0f}{c['incremental_s']:>8.2f}{c['incremental_ratio']:>11.4f}{c['read_100_users_s']:>10.4f}")
     if args.json:
         print(json.dumps(out))

@@ -45,6 +45,18 @@ The issue's 100,000-user target (2 turns each, runs of 1,000 users, bucket schem
         --instance postgres --ui --no-bound --json            # add --max-runs 10 for a 10-run slice
 and the tick at 100,000 users alone (ingest only, large runs): --stages turns --configs 10000.
 
+The registry scale (from --users 200,000 on without --configs, or --registry-scale; bucket scheme):
+    python bench/scale.py --users 1000000 --instance postgres --json
+generates 2 turns per user in files of 1,000 users, ingests them, registers every user in the
+data root's `user_registry` (`register_s`; again: `register_again_s`), plans them all into runs of
+~a bucket (`plan_s`) and builds `turns` for all (their fingerprints published), then changes
+--changed (1%) of the users (one more turn each, in 1% of the files) and times, on every user: the
+nightly tick (`tick_s`: the archive sync of the changed files, the compare, the plan), the discovery
+sensor (`sensor_s`), a planned bucket run's user resolution (`resolve_users_s`: the max over the
+tick's runs) and a whole bucket's (`resolve_bucket_users_s`, a UI backfill), then runs every LLM-free
+stage on the tick's runs of 1,000 users only (a sample of buckets; --max-runs N: the first N;
+models loaded first, `model_load_s`): `overhead_at_1000`; then the asset page (`ui_load_s`, --no-ui).
+
 With --json the last printed line is one JSON object.
 """
 
@@ -67,6 +79,11 @@ sys.path.insert(0, str(REPO_ROOT))
 for _i, _a in enumerate(sys.argv):
     if _a == "--scheme" and _i + 1 < len(sys.argv):
         os.environ["QUMEM_PARTITION_SCHEME"] = sys.argv[_i + 1]
+REGISTRY_SCALE_USERS = 200_000  # from this many users on, the run is the registry-scale configuration
+for _i, _a in enumerate(sys.argv):
+    if ((_a == "--users" and _i + 1 < len(sys.argv) and int(sys.argv[_i + 1]) >= REGISTRY_SCALE_USERS
+         and "--configs" not in sys.argv) or _a == "--registry-scale") and "--scheme" not in sys.argv:
+        os.environ["QUMEM_PARTITION_SCHEME"] = "user_buckets"
 
 import dagster as dg  # noqa: E402
 import polars as pl  # noqa: E402
@@ -98,15 +115,15 @@ STAGES = ["turns", "episodes", "memories", "memory_embeddings", "memory_indexes"
 
 # ------------------------------------------------------------------------------------ generated data
 
-def generate_archive(path: Path, n_users: int, n_turns: int, seed: int = 0) -> int:
-    """JSONL, one file per 100 users; user turns drift across topics in blocks (so episodes vary)."""
+def generate_archive(path: Path, n_users: int, n_turns: int, seed: int = 0, per_file: int = 100) -> int:
+    """JSONL, one file per `per_file` users; user turns drift across topics in blocks (so episodes vary)."""
     rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
     t0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
     total, names = 0, list(TOPICS)
-    for start in range(0, n_users, 100):
-        with open(path / f"users-{start:05d}.jsonl", "w") as f:
-            for u in range(start, min(start + 100, n_users)):
+    for start in range(0, n_users, per_file):
+        with open(path / f"users-{start:07d}.jsonl" if per_file != 100 else path / f"users-{start:05d}.jsonl", "w") as f:
+            for u in range(start, min(start + per_file, n_users)):
                 user = f"user{u:05d}"
                 topic = rng.choice(names)
                 for i in range(n_turns):
@@ -281,6 +298,168 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
     return out
 
 
+# ------------------------------------------------------------------------------------ registry scale
+
+def _change_files(archive: Path, fraction: float) -> int:
+    """Give every user of the first `fraction` of the archive's files one more turn; returns the users changed."""
+    files = sorted(archive.glob("*.jsonl"))
+    n_files = max(1, round(len(files) * fraction))
+    changed = set()
+    for path in files[:n_files]:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        last = {}
+        for r in rows:
+            last[r["user_id"]] = r
+        with open(path, "a") as f:
+            for u, r in last.items():
+                extra = dict(r, turn_index=r["turn_index"] + 1, role="user", speaker=u, text="One more thing about the trip.",
+                             source_ref=f"{u}:{r['turn_index'] + 1}",
+                             timestamp=(datetime.fromisoformat(r["timestamp"]) + timedelta(minutes=1)).isoformat())
+                f.write(json.dumps(extra) + "\n")
+                changed.add(u)
+    return len(changed)
+
+
+def registry_scale(args, archive: Path, work: Path, device: str | None) -> dict:
+    """The million-user configuration (bucket scheme): registration, planning, nightly tick with
+    `--changed` of the users changed, discovery sensor, a planned run's user resolution and the asset
+    page on every user; the LLM-free stages on the tick's runs only (a sample of buckets)."""
+    from assets.partitions import (RUN_USERS_TAG, partition_key_of, planned_users_of, register_users,
+                                   user_registry, users_of_keys)
+    from assets.planning import TURNS_KEY, finished_runs
+    from qumem_pipeline.ingest.discovery import discover
+
+    (work / "home").mkdir(parents=True)
+    out: dict = {"scheme": SCHEME, "users": args.users, "turns_per_user": args.turns, "instance": args.instance}
+    pipeline = PipelineConfig(data_root=str(work / "data"), archive_path=str(archive))
+    stage_assets = [BENCH_ASSETS[s] for s in STAGES]
+    turns_job = dg.define_asset_job("scale_turns_job", selection=[turns])
+    stages_job = dg.define_asset_job("scale_bench_job", selection=stage_assets)
+    build_per_run = args.build_users_per_run or -(-args.users // 64)
+    build = build_nightly_schedule(job=turns_job, users_per_run=build_per_run, name="bench_build", final_asset="turns")
+    nightly = build_nightly_schedule(job=turns_job, users_per_run=1000, name="bench_nightly", final_asset="turns")
+    sensor = build_discovery_sensor(job_name="scale_turns_job", users_per_run=1000, name="bench_sensor")
+    defs = dg.Definitions(
+        assets=stage_assets, jobs=[turns_job, stages_job], schedules=[build, nightly], sensors=[sensor],
+        executor=dg.in_process_executor,
+        resources={"pipeline": pipeline, "continuity": ContinuityClassifierResource(device=device or ""),
+                   "embedder": EmbedderResource(device=device or "")})
+    instance = product_instance(work / "home", args.instance)
+
+    def evaluate(schedule):
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime.now(timezone.utc),
+                                       resources={"pipeline": pipeline}, repository_def=defs.get_repository_def()) as ctx:
+            t = time.perf_counter()
+            data = schedule.evaluate_tick(ctx)
+            return data, time.perf_counter() - t
+
+    def say(msg):
+        print(f"[registry-scale {args.users}] {msg}", flush=True)
+
+    try:
+        t = time.perf_counter()
+        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
+        out["ingest_s"] = round(time.perf_counter() - t, 2)  # the archive sync of every user (qumem run does it first)
+        t = time.perf_counter()
+        added = register_users(instance, sorted(found.fingerprints), pipeline, found.fingerprints)
+        out["register_s"] = round(time.perf_counter() - t, 2)
+        t = time.perf_counter()
+        again = register_users(instance, sorted(found.fingerprints), pipeline, found.fingerprints)
+        out["register_again_s"] = round(time.perf_counter() - t, 2)  # idempotent: reads, appends nothing
+        out.update(registered=len(added), registered_again=len(again))
+        say(f"ingest {out['ingest_s']}s, registered {len(added)} users in {out['register_s']}s (again: "
+            f"{len(again)} in {out['register_again_s']}s)")
+
+        plan, plan_s = evaluate(build)  # every user: planned into runs of ~a bucket
+        out["plan_s"] = round(plan_s, 2)
+        out["build_runs"] = len(plan.run_requests)
+        t = time.perf_counter()
+        job = defs.resolve_job_def("scale_turns_job")
+        for req in plan.run_requests:
+            job.execute_in_process(instance=instance, tags=dict(req.tags), raise_on_error=True)
+        out["build_s"] = round(time.perf_counter() - t, 2)  # `turns` for every user (their fingerprints published)
+        say(f"planned {out['build_runs']} runs in {out['plan_s']:.2f}s; built in {out['build_s']}s")
+
+        t = time.perf_counter()
+        done = finished_runs(instance, TURNS_KEY, sorted({rec.dagster_run.run_id for rec in instance.get_run_records()}))
+        out["finished_runs_query_s"] = round(time.perf_counter() - t, 3)
+        out["finished_runs"] = len({r for r, _ in done})
+
+        out["changed_users"] = _change_files(archive, args.changed)
+        tick, tick_s = evaluate(nightly)
+        out["tick_s"] = round(tick_s, 2)
+        out["tick_runs_requested"] = len(tick.run_requests)
+        out["tick_users_requested"] = sum(int(r.tags.get("qumem/nightly_users", 0)) for r in tick.run_requests)
+        say(f"nightly tick, {out['changed_users']} users changed: {out['tick_s']}s, {out['tick_runs_requested']} runs "
+            f"for {out['tick_users_requested']} users")
+        with dg.build_sensor_context(instance=instance, resources={"pipeline": pipeline},
+                                     repository_def=defs.get_repository_def()) as sctx:
+            t = time.perf_counter()
+            sensed = sensor.evaluate_tick(sctx)
+            out["sensor_s"] = round(time.perf_counter() - t, 2)
+        out["sensor_runs_requested"] = len(sensed.run_requests)
+        say(f"discovery sensor: {out['sensor_s']}s, {out['sensor_runs_requested']} runs")
+
+        # a planned bucket run's user resolution (what users_for_run does in each run), and a UI
+        # backfill's (every registered user of one bucket)
+        resolve = []
+        for req in tick.run_requests:
+            keys = users_partitions.get_partition_keys_in_range(
+                dg.PartitionKeyRange(req.tags["dagster/asset_partition_range_start"],
+                                     req.tags["dagster/asset_partition_range_end"])) \
+                if "dagster/asset_partition_range_start" in req.tags else [req.partition_key]
+            t = time.perf_counter()
+            users = planned_users_of(pipeline, req.tags[RUN_USERS_TAG], keys)
+            resolve.append(time.perf_counter() - t)
+            assert len(users) == int(req.tags["qumem/nightly_users"]), (len(users), req.tags)
+        out["resolve_users_s"] = round(max(resolve), 3) if resolve else None
+        out["resolve_users_mean_s"] = round(sum(resolve) / len(resolve), 3) if resolve else None
+        t = time.perf_counter()
+        bucket_users = users_of_keys(instance, [partition_key_of("user0000000")], pipeline=pipeline)
+        out["resolve_bucket_users_s"] = round(time.perf_counter() - t, 3)
+        out["bucket_users"] = len(bucket_users)
+        say(f"user resolution: planned run max {out['resolve_users_s']}s, a whole bucket ({len(bucket_users)} users) "
+            f"{out['resolve_bucket_users_s']}s")
+
+        # the LLM-free stages on the tick's runs (the changed users' buckets): models loaded first, as
+        # in a long-lived worker (their load is reported on its own)
+        t = time.perf_counter()
+        _ = defs.resources["continuity"].model, defs.resources["embedder"].model  # the per-process cache (resources/models.py)
+        out["model_load_s"] = round(time.perf_counter() - t, 2)
+        walls: list = []
+        runs = tick.run_requests[: args.max_runs] if args.max_runs else tick.run_requests
+        wall, per_stage, n_turns = _execute(defs.resolve_job_def("scale_bench_job"), instance, runs, STAGES, walls)
+        stage = sum(per_stage.values())
+        later = walls[1:]
+        out.update({
+            "sample_runs": len(runs), "sample_users": sum(int(r.tags.get("qumem/nightly_users", 0)) for r in runs),
+            "sample_turns": n_turns, "sample_wall_s": round(wall, 2), "sample_stage_s": round(stage, 2),
+            "stage_s_by_asset": {k: round(v, 2) for k, v in per_stage.items()},
+            "overhead_at_1000": round((wall - stage) / wall, 4) if wall else None,
+            "first_run": {"wall_s": round(walls[0][0], 2), "stage_s": round(walls[0][1], 2)} if walls else None,
+            "later_runs_overhead": round(sum(w - s for w, s in later) / sum(w for w, _ in later), 4) if later else None,
+            "later_runs_overhead_s_per_run": round(sum(w - s for w, s in later) / len(later), 2) if later else None,
+        })
+        say(f"stages on {len(runs)} runs of 1000: wall {out['sample_wall_s']}s, stage {out['sample_stage_s']}s, "
+            f"overhead {out['overhead_at_1000']} (later runs {out['later_runs_overhead']})")
+        if len(runs) == len(tick.run_requests):
+            again, again_s = evaluate(nightly)
+            out["second_tick_s"] = round(again_s, 2)
+            out["second_tick_runs_requested"] = len(again.run_requests)
+        out["registry_users"] = len(user_registry(pipeline).users())
+        out["dynamic_partitions"] = len(instance.get_dynamic_partitions("users"))
+        out["runs_in_instance"] = len(instance.get_run_records())
+        if not args.no_ui:
+            from bench.ui_load import asset_page_load
+
+            out["ui"] = asset_page_load(work / "home", archive=archive, data_root=work / "data")
+            out["ui_load_s"] = out["ui"]["load_s"]
+            say(f"asset page: {out['ui_load_s']}s")
+    finally:
+        drop_instance(instance, work / "home")
+    return out
+
+
 # ------------------------------------------------------------------------------------ the bound
 
 def model_bound(archive: Path, device: str | None, batch_pairs: int = 64, batch_sent: int = 128) -> dict:
@@ -370,6 +549,14 @@ def main(argv=None) -> int:
                     help="execute only the first N runs of each plan (a slice of the rebuild; 0 = all)")
     ap.add_argument("--ui", action="store_true",
                     help="after the largest configuration, time its asset page in headless Chromium (ui_load_s)")
+    ap.add_argument("--registry-scale", action="store_true",
+                    help=f"the registry-scale configuration (default from --users {REGISTRY_SCALE_USERS} on, "
+                         "without --configs): registration, planning, tick, sensor, resolution and UI on every user, "
+                         "the stages on the tick's runs")
+    ap.add_argument("--changed", type=float, default=0.01, help="registry scale: fraction of users changed before the tick")
+    ap.add_argument("--build-users-per-run", type=int, default=0,
+                    help="registry scale: users per `turns` run of the initial build (0 = users/64: about a bucket)")
+    ap.add_argument("--no-ui", action="store_true", help="registry scale: skip the asset page")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import logging
@@ -379,6 +566,24 @@ def main(argv=None) -> int:
     if stages != STAGES[: len(stages)]:
         raise SystemExit(f"--stages must be a prefix of {STAGES}")
     configs = [int(x) for x in args.configs.split(",")]
+    if args.registry_scale or (args.users >= REGISTRY_SCALE_USERS and "--configs" not in (argv or sys.argv)):
+        if args.instance == "postgres" and not os.environ.get("DAGSTER_PG_HOST"):
+            raise SystemExit('--instance postgres needs DAGSTER_PG_*: eval "$(bash scripts/install_system_deps.sh)"')
+        t0 = time.perf_counter()
+        turns_per_user = args.turns if "--turns" in (argv or sys.argv) else 2
+        args.turns = turns_per_user
+        with tempfile.TemporaryDirectory(prefix="qumem-scale-") as tmp:
+            tmp = Path(tmp)
+            archive = Path(args.archive) if args.archive else tmp / "archive"
+            t = time.perf_counter()
+            total = None if args.archive else generate_archive(archive, args.users, turns_per_user, per_file=1000)
+            gen_s = time.perf_counter() - t
+            out = registry_scale(args, archive, tmp / "work", args.device)
+        out.update(archive_turns=total, generate_s=round(gen_s, 2), bench_wall_s=round(time.perf_counter() - t0, 1),
+                   memories="synthetic (one per user utterance, citing it; no LLM)")
+        if args.json:
+            print(json.dumps(out))
+        return 0
     with tempfile.TemporaryDirectory(prefix="qumem-scale-") as tmp:
         tmp = Path(tmp)
         archive = Path(args.archive) if args.archive else tmp / "archive"

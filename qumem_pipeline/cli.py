@@ -1,5 +1,5 @@
 """`qumem`: the command line. Argument parsing lives here; the commands that run Dagster (run,
-ingest, forget, export, users) live in the Dagster layer (`assets/commands.py`) and are imported
+ingest, forget, export, users, show) live in the Dagster layer (`assets/commands.py`) and are imported
 only when one of them runs, so the domain core never imports Dagster. They are in-process Dagster
 runs against the instance in $DAGSTER_HOME (default ./.dagster_home), so `dagster dev` pointed at
 the same home shows every run the CLI made.
@@ -96,6 +96,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from qumem_pipeline.eval.segmentation.robustness import main as robust_main
 
         return robust_main(args.rest)
+    if args.what == "record":  # the evaluation record: tables, check, prune, status
+        from qumem_pipeline.eval.record_cli import main as record_main
+
+        return record_main(args.rest)
     from qumem_pipeline.eval.locomo.harness import main as locomo_main
 
     return locomo_main(args.rest)
@@ -154,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp, archive=False)
     sp.set_defaults(func=cmd_migrate_storage)
 
+    sp = sub.add_parser("show", help="print a user's episodes, memories and query states (with citations) as tables")
+    sp.add_argument("user_id")
+    common(sp, archive=False)
+    sp.set_defaults(func=_dagster_command("show"))
+
+    # -- personalize: its own block (the command lives with its job, assets/personalize.py)
+    sp = sub.add_parser("personalize", help="answer a batch of queries from the current memories (personalize_job)")
+    sp.add_argument("--queries", required=True,
+                    help="JSONL or Parquet file, directory of Parquet files or Delta table; local or s3://, gs://, az://")
+    sp.add_argument("--batch-id", help="the batch's id (default: the content digest of the batch)")
+    sp.add_argument("--query-format", choices=["jsonl", "parquet", "delta"], help="default: detect")
+    sp.add_argument("--chunk-rows", type=int, help="rows answered and committed together (default 10000)")
+    common(sp, archive=False)
+    sp.set_defaults(func=_dagster_command("personalize"))
+
     sp = sub.add_parser("users", help="list registered user partitions")
     sp.set_defaults(func=_dagster_command("users"))
 
@@ -163,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
              "(TIAGE test beside the LoCoMo-joined OOD set), `locomo PATH [--json] ...`",
         description="Forwards to the evaluation's own options; see `qumem eval segmentation --help`.",
     )
-    sp.add_argument("what", choices=["segmentation", "segmentation-ood", "locomo"])
+    sp.add_argument("what", choices=["segmentation", "segmentation-ood", "locomo", "record"])
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 

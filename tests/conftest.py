@@ -11,6 +11,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The deployment secret that keys forget tombstones (object-store roots refuse to forget without one).
 os.environ.setdefault("QUMEM_TOMBSTONE_KEY", "qumem-tests-tombstone-secret")
+# CLI evaluations read and grow eval_record/ by default; tests' fake models must not write there
+# (tests/test_eval_record.py names the record it uses).
+os.environ.setdefault("QUMEM_EVAL_RECORD", "off")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -75,7 +75,7 @@ def test_k8s_executor_configuration_loads_with_gpu_requests(k8s_defs):
         dg.validate_run_config(job)  # the baked-in executor config against dagster-k8s's schema
     # GPU for the in-process model steps of the gpu pool; the LLM-only step calls the vLLM pool.
     per_step = {k: v for k, v in k8s_defs.EXECUTOR_CONFIG["per_step_k8s_config"].items() if v is k8s_defs.GPU_STEP}
-    assert sorted(per_step) == ["episodes", "memory_embeddings", "memory_indexes", "persona_profiles", "query_states"]
+    assert sorted(per_step) == ["episodes", "memory_embeddings", "memory_indexes", "persona_profiles", "personalize_op", "query_states"]
     graph = defs.resolve_asset_graph()
     assert graph.get(dg.AssetKey("memories")).pools == {"gpu"} and "memories" not in per_step
     for step_cfg in [*k8s_defs.EXECUTOR_CONFIG["per_step_k8s_config"].values(), k8s_defs.EXECUTOR_CONFIG["step_k8s_config"]]:

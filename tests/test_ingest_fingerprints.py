@@ -1,10 +1,11 @@
-"""Fingerprints: the same values as the original per-user sha256, identical for discovery and
+"""Fingerprints: the same values as the defining per-user BLAKE3 (a Python join), identical for discovery and
 writes, stable across processes; per-user writes hold exactly each user's turns."""
 
-import hashlib
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 
+import blake3
 import polars as pl
 
 from qumem_pipeline.ingest.discovery import discover
@@ -21,14 +22,24 @@ from tests.conftest import conversation, write_jsonl
 FIELDS = ["conversation_id", "session_id", "role", "speaker", "text", "timestamp", "source_ref"]
 
 
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _field(value) -> str:
+    if value is None:
+        return "\u2400"
+    if isinstance(value, datetime):  # microseconds since the epoch
+        return str((value - EPOCH) // timedelta(microseconds=1))
+    return str(value)
+
+
 def reference_fingerprint(turns: pl.DataFrame) -> str:
-    """The fingerprint as first defined (Python string join + sha256), kept here as the oracle."""
+    """The fingerprint's definition in plain Python (lines joined, BLAKE3), kept here as the oracle."""
     if turns.height == 0:
-        return hashlib.sha256(b"").hexdigest()
-    lines = turns.sort("turn_index").select(
-        pl.concat_str([pl.col("turn_index").cast(pl.String)] + [pl.col(c).cast(pl.String).fill_null("\u2400") for c in FIELDS], separator="\x1f")
-    ).to_series().to_list()
-    return hashlib.sha256("\x1e".join(lines).encode("utf-8")).hexdigest()
+        return blake3.blake3(b"").hexdigest()
+    lines = ["\x1f".join([str(r["turn_index"])] + [_field(r[c]) for c in FIELDS])
+             for r in turns.sort("turn_index").iter_rows(named=True)]
+    return blake3.blake3("\x1e".join(lines).encode("utf-8")).hexdigest()
 
 
 def archive(tmp_path):
@@ -54,7 +65,7 @@ def test_fingerprints_equal_reference_and_discovery_equals_writes(tmp_path):
     assert {u: s["fingerprint"] for u, s in stats.items() if u != "dora"} == fps
     assert discover(cfg, known={}).fingerprints == fps
     stored = layout.read_table("fingerprints")
-    assert dict(stored.select("user_id", "fingerprint").iter_rows()) == {**fps, "dora": hashlib.sha256(b"").hexdigest()}
+    assert dict(stored.select("user_id", "fingerprint").iter_rows()) == {**fps, "dora": blake3.blake3(b"").hexdigest()}
     # Each user's partition holds exactly that user's turns, in history order.
     for u in ("alice", "bob", "chen"):
         written = layout.read_user_table("turns", u)

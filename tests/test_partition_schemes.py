@@ -22,6 +22,16 @@ def _archive(path, users):
     write_jsonl(path / "a.jsonl", [r for u, texts in users.items() for r in conversation(u, f"{u}-c1", texts)])
 
 
+def _registered(instance, scheme: str, data_root) -> list[str]:
+    """The registry: dynamic partitions (`users`), the data root's `user_registry` table (`user_buckets`)."""
+    if scheme == "users":
+        return instance.get_dynamic_partitions("users")
+    from qumem_pipeline.storage.user_registry import UserRegistry
+
+    assert instance.get_dynamic_partitions("users") == []
+    return UserRegistry(str(data_root)).users()
+
+
 def _turn_files(data_root) -> list[str]:
     """Users whose turns the table store holds."""
     from qumem_pipeline.storage.layout import DataLayout
@@ -62,7 +72,7 @@ def test_qumem_ingest_and_forget_in_each_scheme(tmp_path, monkeypatch, scheme, c
         assert _turn_files(data) == ["alice", "bob", "chen"]
         with dg.DagsterInstance.get() as instance:
             runs = [instance.get_run_by_id(r) for r in out["runs"]]
-            assert instance.get_dynamic_partitions("users") == ["alice", "bob", "chen"]  # the registry
+            assert _registered(instance, scheme, data) == ["alice", "bob", "chen"]  # the registry
             if scheme == "users":
                 assert [(r.tags[RANGE_START], r.tags[RANGE_END]) for r in runs] == [("alice", "bob"), ("chen", "chen")]
             else:
@@ -74,7 +84,7 @@ def test_qumem_ingest_and_forget_in_each_scheme(tmp_path, monkeypatch, scheme, c
         assert main(["forget", "bob", "--data-root", str(data)]) == 0
         assert _turn_files(data) == ["alice", "chen"]
         with dg.DagsterInstance.get() as instance:
-            assert instance.get_dynamic_partitions("users") == ["alice", "chen"]
+            assert _registered(instance, scheme, data) == ["alice", "chen"]
         # a later run neither re-registers nor rebuilds bob (forgotten), in either scheme
         assert main(["ingest", "--archive", str(archive), "--data-root", str(data), "--json"]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -90,7 +100,8 @@ def test_bucket_backfill_range_takes_every_registered_user_of_its_buckets(tmp_pa
     with partition_scheme("user_buckets", buckets=4) as m, local_instance(tmp_path / "home") as instance:
         turns, p = m["assets.ingest"].turns, m["assets.partitions"]
         pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
-        p.register_users(instance, ["alice", "bob", "chen", "dan"])
+        p.register_users(instance, ["alice", "bob", "chen", "dan"], pipeline)
+        assert instance.get_dynamic_partitions("users") == []  # the bucket scheme's registry is the data root's
         result = dg.materialize([turns], instance=instance, resources={"pipeline": pipeline},
                                 tags={RANGE_START: "b001", RANGE_END: "b001"})
         assert result.success
@@ -99,7 +110,7 @@ def test_bucket_backfill_range_takes_every_registered_user_of_its_buckets(tmp_pa
         # the archive sync reads each new file once, for every user it holds; the run publishes its own users
         assert _turn_files(tmp_path / "data") == ["alice", "bob", "chen", "dan"]
         # a run naming its users takes only those, even over a wider key range
-        tags = {RANGE_START: "b001", RANGE_END: "b002", **p.store_run_users(instance, ["chen"])}
+        tags = {RANGE_START: "b001", RANGE_END: "b002", **p.store_run_users(instance, ["chen"], pipeline)}
         result = dg.materialize([turns], instance=instance, resources={"pipeline": pipeline}, tags=tags)
         assert sorted(result.get_asset_materialization_events()[0].materialization.metadata["fingerprints"].value) == ["chen"]
         assert _turn_files(tmp_path / "data") == ["alice", "bob", "chen", "dan"]
@@ -141,7 +152,7 @@ def test_bucket_nightly_rebuilds_changed_and_unfinished_users_only(tmp_path):
             return int(req.tags["qumem/run_users_count"])
 
         first = evaluate()
-        assert [planned(r) for r in first.run_requests] == [3] and p.registered_users(instance) == ["alice", "bob", "chen"]
+        assert [planned(r) for r in first.run_requests] == [3] and p.registered_users(instance, pipeline) == ["alice", "bob", "chen"]
         assert execute(first.run_requests[0]).success
         assert evaluate().run_requests == []  # unchanged: nothing
 

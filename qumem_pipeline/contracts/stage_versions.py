@@ -41,7 +41,7 @@ STAGE_ENTRY_MODULES: dict[str, tuple[str, ...]] = {
     "memory_indexes": ("index.vector_store",),
     "persona_profiles": ("query.strategies.adamem.profiles", "llm.factory"),
     "memory_graph": ("query.strategies.adamem.graph",),
-    "query_states": ("query.queries", "query.retrieval", "query.strategies.registry", "llm.factory"),
+    "query_states": ("query.queries", "query.retrieval", "query.retrievers", "query.strategies.registry", "llm.factory"),
     "warehouse": ("storage.warehouse",),
 }
 # Stage -> the stages whose tables it reads (the asset graph's deps; tests compare the two).
@@ -57,6 +57,22 @@ STAGE_UPSTREAM: dict[str, tuple[str, ...]] = {
     "warehouse": ("turns", "episodes", "memories", "query_states", "persona_profiles"),
 }
 STAGES = tuple(STAGE_ENTRY_MODULES)
+# Stages run by a job of their own, not assets (the bulk personalization job, `assets/personalize.py`): their
+# rows carry `stage_version(name)` as every stage's do; they are not in STAGES (= the assets). Same two maps.
+JOB_STAGE_ENTRY_MODULES: dict[str, tuple[str, ...]] = {
+    "personalization": ("query.personalize", "query.batch_input", "query.queries", "query.retrievers",
+                        "query.strategies.registry", "llm.factory"),
+}
+JOB_STAGE_UPSTREAM: dict[str, tuple[str, ...]] = {"personalization": ("memory_indexes", "turns", "memory_graph")}
+JOB_STAGES = tuple(JOB_STAGE_ENTRY_MODULES)
+
+
+def _entries(stage: str) -> tuple[str, ...]:
+    return STAGE_ENTRY_MODULES[stage] if stage in STAGE_ENTRY_MODULES else JOB_STAGE_ENTRY_MODULES[stage]
+
+
+def _upstream(stage: str) -> tuple[str, ...]:
+    return STAGE_UPSTREAM[stage] if stage in STAGE_UPSTREAM else JOB_STAGE_UPSTREAM[stage]
 # Reached by imports but never followed: this module names every stage's inputs (following it would
 # tie all stages together); the warehouse loader is imported by `forget` for erasure, not to make rows.
 _NOT_FOLLOWED = {f"{PACKAGE}.contracts.stage_versions", f"{PACKAGE}.storage.warehouse"}
@@ -97,7 +113,7 @@ def _imported_modules(path: Path, dotted: str) -> set[str]:
 
 def stage_modules(stage: str) -> list[Path]:
     """Every source file that decides `stage`'s output: its entry modules and their package imports."""
-    entries = [f"{PACKAGE}.{m}" for m in STAGE_ENTRY_MODULES[stage]]
+    entries = [f"{PACKAGE}.{m}" for m in _entries(stage)]
     todo = list(entries)
     seen: dict[str, Path] = {}
     while todo:
@@ -109,7 +125,7 @@ def stage_modules(stage: str) -> list[Path]:
             continue
         seen[mod] = path
         todo.extend(m for m in _imported_modules(path, mod) - seen.keys())
-    missing = [m for m in STAGE_ENTRY_MODULES[stage] if f"{PACKAGE}.{m}" not in seen]
+    missing = [m for m in _entries(stage) if f"{PACKAGE}.{m}" not in seen]
     if missing:
         raise RuntimeError(f"stage {stage}: entry modules {missing} not found under {PACKAGE_ROOT}")
     return sorted(set(seen.values()))
@@ -202,7 +218,7 @@ def _stage_inputs(stage: str) -> tuple[str, ...]:
         return (llm_model_id(),)
     if stage in ("memory_embeddings", "memory_indexes"):
         return (embedder_version(),)
-    if stage in ("persona_profiles", "query_states"):
+    if stage in ("persona_profiles", "query_states", "personalization"):
         return (llm_model_id(), embedder_version())
     return ()
 
@@ -226,7 +242,7 @@ def _own_version(stage: str) -> str:
 
 def _full_version(stage: str, memo: dict[str, str]) -> str:
     if stage not in memo:
-        memo[stage] = _join(stage, _own_version(stage), *(_full_version(u, memo) for u in STAGE_UPSTREAM[stage]))
+        memo[stage] = _join(stage, _own_version(stage), *(_full_version(u, memo) for u in _upstream(stage)))
     return memo[stage]
 
 
@@ -239,8 +255,8 @@ def stage_code_versions() -> dict[str, str]:
 def stage_version(stage: str) -> str:
     """The `code_version` every row of `stage`'s tables carries (equal to its asset's code_version);
     computes only the stage and its upstream, so ingest alone never touches the LLM stages' inputs."""
-    if stage not in STAGE_ENTRY_MODULES:
-        raise KeyError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    if stage not in STAGE_ENTRY_MODULES and stage not in JOB_STAGE_ENTRY_MODULES:
+        raise KeyError(f"unknown stage {stage!r}; stages: {', '.join(STAGES + JOB_STAGES)}")
     return _full_version(stage, {})
 
 

@@ -4,4 +4,6 @@ from qumem_pipeline import __version__
 
 CODE_VERSION = __version__
 # Bump when the canonical turn contract or its validation rules change.
-TURN_SCHEMA_VERSION = "turns-v1"
+# v2: content hashes are BLAKE3 (manifest digests, per-user fingerprints; the fingerprint's timestamp
+# is epoch microseconds): every recorded fingerprint changes meaning, so every user counts as changed.
+TURN_SCHEMA_VERSION = "turns-v2"

@@ -4,12 +4,12 @@ The fingerprint is a content hash of a user's validated turns. It is what lets a
 run rebuild only users whose history changed, and what discovery compares against.
 """
 
-import hashlib
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 import polars as pl
 
@@ -63,19 +63,23 @@ def load_archive(cfg: ArchiveConfig, forgotten: ForgetRegistry | None = None) ->
 
 
 def _line_expr() -> pl.Expr:
-    """One turn as text: turn_index and the content fields, unit-separated, nulls as U+2400."""
+    """One turn as text: turn_index and the content fields, unit-separated, nulls as U+2400; the
+    timestamp as integer microseconds since the epoch (formatting a UTC datetime as text cost more
+    than the rest of the line)."""
     return pl.concat_str(
         [pl.col("turn_index").cast(pl.String)]
-        + [pl.col(c).cast(pl.String).fill_null("\u2400") for c in _FINGERPRINT_FIELDS],
+        + [(pl.col(c).dt.epoch("us") if c == "timestamp" else pl.col(c)).cast(pl.String).fill_null("\u2400")
+           for c in _FINGERPRINT_FIELDS],
         separator="\x1f",
     )
 
 
 def fingerprint_user(turns: pl.DataFrame) -> str:
-    """sha256 of one user's turns in history order: one line per turn, lines "\x1e"-joined.
+    """BLAKE3 (256-bit, hex) of one user's turns in history order: one line per turn, lines
+    "\x1e"-joined. A content hash for change detection (docs/storage.md#content-hashes).
 
-    Stable across runs, processes and machines (tests/test_ingest_fingerprints.py keeps the first
-    definition as its oracle)."""
+    Stable across runs, processes and machines (tests/test_ingest_fingerprints.py keeps the
+    definition, a Python join, as its oracle)."""
     if turns.height == 0:
         return _EMPTY_FINGERPRINT
     users = turns["user_id"].unique()
@@ -84,7 +88,7 @@ def fingerprint_user(turns: pl.DataFrame) -> str:
     return UserRuns(turns).fingerprints()[users[0]]
 
 
-_EMPTY_FINGERPRINT = EMPTY_FINGERPRINT = hashlib.sha256(b"").hexdigest()
+_EMPTY_FINGERPRINT = EMPTY_FINGERPRINT = blake3.blake3(b"").hexdigest()
 _FINGERPRINT_BLOCK_ROWS = 1 << 17
 
 
@@ -169,7 +173,7 @@ class FingerprintBlock:
         out = {}
         for user, (start, n) in self.runs:
             begin, end = int(bounds[start - first]), int(bounds[start - first + n])
-            out[user] = hashlib.sha256(view[begin : end - 1]).hexdigest()  # no separator after the last
+            out[user] = blake3.blake3(view[begin : end - 1]).hexdigest()  # no separator after the last
         return out
 
 

@@ -20,11 +20,13 @@ class Discovery:
     removed: list[str]  # known before, absent now (kept: deleting data is `forget`'s job)
 
 
-def discover(cfg: ArchiveConfig, known: dict[str, str], forgotten: ForgetRegistry | None = None, layout=None) -> Discovery:
+def discover(cfg: ArchiveConfig, known: dict[str, str], forgotten: ForgetRegistry | None = None, layout=None,
+             progress=None) -> Discovery:
+    """`progress(stage, done, total)`: the sync's progress (`sync_archive`), when there is a layout."""
     if layout is not None:
         from qumem_pipeline.ingest.sync import stored_fingerprints, sync_archive
 
-        sync_archive(cfg, layout, forgotten=forgotten)
+        sync_archive(cfg, layout, forgotten=forgotten, progress=progress)
         fps = stored_fingerprints(layout, forgotten)
     else:
         fps = user_fingerprints(load_archive(cfg, forgotten=forgotten).turns)

@@ -1,7 +1,7 @@
 """The ingest manifest: which archive files are in the tables, and in what state.
 
 One row per ingested file: its id (path relative to the archive root), the path it was read
-from, size, mtime, sha256 and the ingest version. A file is *unchanged* when size and mtime
+from, size, mtime, content digest (BLAKE3, in the column `sha256`) and the ingest version. A file is *unchanged* when size and mtime
 equal the manifest's (nothing is read), or when they moved but the content hash did not; it is
 *changed* when the hash differs or it was ingested under another ingest version (the
 validation rules changed), *new* when the manifest has no row for it, *gone* when the manifest
@@ -10,6 +10,13 @@ has a row and the archive no longer has the file.
 Stored through DataLayout as the table `ingest_manifest` under the unattributed key (it
 belongs to no user). Which users each file holds is a per-user table (`ingest_file_users`), so
 forgetting a user removes that too.
+
+A file id or path may name its user (`archive/alice/history.jsonl`, `alice.jsonl`). A file whose
+users were all forgotten is listed under a keyed id instead (`forgotten-file:<key id>:<HMAC of
+the file id under the tombstone secret>`, as its path too): the forget keys it
+(`ingest.sync.key_forgotten_files`), the sync recognises it (`plan_files(keyed=...)`) and keeps
+it keyed while its rows stay all forgotten, so the manifest names no forgotten user's file and an
+unchanged file is still not read again.
 """
 
 import glob
@@ -30,12 +37,27 @@ MANIFEST_SCHEMA = {
     "format": pl.String,
     "size": pl.Int64,
     "mtime_ns": pl.Int64,
-    "sha256": pl.String,
+    "sha256": pl.String,  # the file's content digest, "blake3:<hex>" (the column keeps its first name)
     "ingest_version": pl.String,
     "rows": pl.Int64,
     "quarantined": pl.Int64,
 }
 FILE_USERS_SCHEMA = {"user_id": pl.String, "file_id": pl.String}
+FORGOTTEN_FILE_PREFIX = "forgotten-file:"
+
+
+def keyed_file_ids(tombstones, file_id: str) -> list[str]:
+    """The keyed ids a file whose users were all forgotten is listed under, one per tombstone key in
+    use (the current key's first): `tombstones` is the root's `storage.tombstones.Tombstones`."""
+    out = []
+    for key in tombstones.keys:
+        kid, digest = tombstones.digest("file:" + file_id, key)
+        out.append(f"{FORGOTTEN_FILE_PREFIX}{kid}:{digest}")
+    return out
+
+
+def is_keyed(file_id: str | None) -> bool:
+    return bool(file_id) and file_id.startswith(FORGOTTEN_FILE_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -54,8 +76,9 @@ class FilePlan:
     changed: list[ArchiveFile] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)  # file ids
     unchanged: list[ArchiveFile] = field(default_factory=list)
-    hashes: dict[str, str] = field(default_factory=dict)  # file_id -> sha256 of files hashed this run
+    hashes: dict[str, str] = field(default_factory=dict)  # file_id -> content digest of files hashed this run
     old: dict[str, dict] = field(default_factory=dict)  # the manifest as read
+    keyed: dict[str, str] = field(default_factory=dict)  # file_id -> the keyed id its manifest row has
 
     @property
     def to_read(self) -> list[ArchiveFile]:
@@ -110,12 +133,19 @@ def read_manifest(layout) -> dict[str, dict]:
     return {} if df is None else {r["file_id"]: r for r in df.iter_rows(named=True)}
 
 
-def plan_files(files: list[ArchiveFile], manifest: dict[str, dict], ingest_version: str) -> FilePlan:
+def plan_files(files: list[ArchiveFile], manifest: dict[str, dict], ingest_version: str, keyed=None) -> FilePlan:
     """Sort the archive's files into new / changed / unchanged / gone; hash only those whose
-    size or mtime moved (an unchanged archive is not read at all)."""
+    size or mtime moved (an unchanged archive is not read at all). `keyed(file_id)`: the keyed ids
+    a file of forgotten users may be listed under (`keyed_file_ids`), tried only when some are."""
     plan = FilePlan(files=files, old=manifest)
+    any_keyed = keyed is not None and any(is_keyed(k) for k in manifest)
     for f in files:
         row = manifest.get(f.file_id)
+        if row is None and any_keyed:
+            for k in keyed(f.file_id):
+                if k in manifest:
+                    row, plan.keyed[f.file_id] = manifest[k], k
+                    break
         if row is None:
             plan.new.append(f)
         elif row["ingest_version"] != ingest_version:
@@ -126,7 +156,7 @@ def plan_files(files: list[ArchiveFile], manifest: dict[str, dict], ingest_versi
             digest = hash_file(f.path)
             plan.hashes[f.file_id] = digest
             (plan.unchanged if digest == row["sha256"] else plan.changed).append(f)
-    here = {f.file_id for f in files}
+    here = {f.file_id for f in files} | set(plan.keyed.values())
     plan.gone = sorted(fid for fid in manifest if fid not in here)
     return plan
 

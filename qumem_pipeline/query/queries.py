@@ -28,22 +28,36 @@ MAX_QUERY_CHARS = 8000
 def read_queries(path: str | os.PathLike) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(valid queries, quarantined rows with field + reason)."""
     p = Path(path)
-    records, bad = [], []
     if p.suffix.lower() in (".parquet", ".pq"):
-        rows = pl.read_parquet(p).to_dicts()
-        numbered = [(i + 1, r, None) for i, r in enumerate(rows)]
+        numbered = [(i + 1, r, None) for i, r in enumerate(pl.read_parquet(p).to_dicts())]
     else:
-        numbered = []
-        for i, line in enumerate(p.read_bytes().split(b"\n"), start=1):
-            if not line.strip():
+        numbered = list(jsonl_records(p.read_bytes().split(b"\n")))
+    return validate_query_records(numbered)
+
+
+def jsonl_records(lines, start: int = 1):
+    """(line number, object, None) per non-blank JSONL line, or (line number, {"_raw": text}, why) for a
+    line that is not a JSON object. `lines` are bytes; numbering starts at `start` (blank lines count)."""
+    for i, line in enumerate(lines, start=start):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8"))
+            if isinstance(obj, dict):
+                yield i, obj, None
                 continue
-            try:
-                obj = json.loads(line.decode("utf-8"))
-                numbered.append((i, obj, None) if isinstance(obj, dict) else (i, None, "expected a JSON object"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                numbered.append((i, None, f"unreadable line: {e}"))
-            if numbered[-1][1] is None:
-                numbered[-1] = (i, {"_raw": line.decode("utf-8", "backslashreplace")[:2000]}, numbered[-1][2])
+            err = "expected a JSON object"
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            err = f"unreadable line: {e}"
+        yield i, {"_raw": line.decode("utf-8", "backslashreplace").rstrip("\r\n")[:2000]}, err
+
+
+def validate_query_records(numbered, seen: set[str] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Validate (row number, object, error) records: (valid queries with their `_row`-less table schema,
+    quarantined rows with source_row, field, reason). A query_id seen before (earlier in these records,
+    or in `seen`: the ids an earlier chunk of the same batch kept) is quarantined as a duplicate; the
+    ids kept here are added to `seen`."""
+    records, bad = [], []
     for row_no, obj, err in numbered:
         if err:
             bad.append({"source_row": row_no, "query_id": None, "user_id": None, "field": "(line)", "reason": err, "raw": obj.get("_raw")})
@@ -65,16 +79,20 @@ def read_queries(path: str | os.PathLike) -> tuple[pl.DataFrame, pl.DataFrame]:
         bad.append({"source_row": r["_row"], "query_id": r["query_id"], "user_id": r["user_id"], "field": "as_of",
                     "reason": f"unparseable as_of '{r['as_of_raw'][:64]}'", "raw": None})
     df = df.filter(~(pl.col("as_of_raw").is_not_null() & pl.col("_ts").is_null()))
-    dup = df.filter(pl.col("query_id").is_duplicated() & (pl.col("_row") != pl.col("_row").min().over("query_id")))
+    first = pl.col("_row") == pl.col("_row").min().over("query_id")
+    earlier = pl.Series([q in seen for q in df["query_id"].to_list()], dtype=pl.Boolean) if seen else pl.lit(False)
+    dup = df.filter((pl.col("query_id").is_duplicated() & ~first) | earlier)
     for r in dup.iter_rows(named=True):
         bad.append({"source_row": r["_row"], "query_id": r["query_id"], "user_id": r["user_id"], "field": "query_id",
                     "reason": "duplicate query_id", "raw": None})
     df = df.filter(~pl.col("_row").is_in(dup["_row"].implode()))
-    valid = df.select(
-        "query_id", "user_id", "query", pl.col("_ts").alias("as_of"), "as_of_turn", "task_context"
-    ).cast(dict(QUERY_TABLE_SCHEMA))
+    if seen is not None:
+        seen.update(df["query_id"].to_list())
+    valid = df.sort("_row").select(
+        "query_id", "user_id", "query", pl.col("_ts").alias("as_of"), "as_of_turn", "task_context", "_row"
+    ).cast({**dict(QUERY_TABLE_SCHEMA), "_row": pl.Int64})
     q = pl.DataFrame(bad, schema=QUERY_INPUT_QUARANTINE) if bad else QUERY_INPUT_QUARANTINE.to_frame()
-    return valid, q.sort("source_row")
+    return valid.drop("_row") if seen is None else valid, q.sort("source_row")
 
 
 def _s(v):

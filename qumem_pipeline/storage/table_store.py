@@ -126,6 +126,7 @@ class TableStore:
         self.write_paths: Counter = Counter()  # WRITTEN / SKIPPED / RACED per write this process made
         self.fence: tuple[str, int] | None = None  # (lease app id, holder's seq): see the module docstring
         self.dropped_forgotten: Counter = Counter()  # table -> writes that dropped a forgotten user's rows
+        self.files_read: Counter = Counter()  # table -> data files opened by `read_buckets`
         self._tombstones = None
 
     def plain_handle(self) -> "TableStore":
@@ -268,6 +269,33 @@ class TableStore:
         if not pieces:
             return ds.schema.empty_table().select(cols) if cols else ds.schema.empty_table()
         return pads.FileSystemDataset(pieces, ds.schema, fmt, fs).to_table(filter=flt, columns=cols)
+
+    def read_buckets(self, table: str, buckets: Iterable[int], columns: list[str] | None = None,
+                     where=None) -> pl.DataFrame | None:
+        """Rows of the given user buckets only (Delta partition pruning on `user_bucket`: no file of
+        another bucket is opened), optionally filtered by a pyarrow expression `where`; store columns
+        included; None when the table does not exist. `files_read[table]` counts the files opened."""
+        dt = self._open(table)
+        if dt is None:
+            return None
+        buckets = sorted({int(b) for b in buckets})
+        ds = dt.to_pyarrow_dataset()
+        cols = None if columns is None else list(dict.fromkeys([*columns, KEY, PLACEHOLDER]))
+        fs, base = self.filesystem()
+        acts = pl.DataFrame(dt.get_add_actions(flatten=True))
+        if acts.height:
+            acts = acts.filter(pl.col(f"partition.{BUCKET}").is_in(buckets))
+        fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
+        pieces = [fmt.make_fragment(f"{base}/{table}/{unquote(path)}", filesystem=fs,
+                                    partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
+                  for path, b in (acts.select("path", f"partition.{BUCKET}").iter_rows() if acts.height else [])]
+        self.files_read[table] += len(pieces)
+        if pieces:
+            arrow = pads.FileSystemDataset(pieces, ds.schema, fmt, fs).to_table(filter=where, columns=cols)
+        else:
+            arrow = ds.schema.empty_table().select(cols) if cols else ds.schema.empty_table()
+        df = pl.from_arrow(arrow)
+        return self._restore(dt, df)
 
     def users_in(self, table: str) -> list[str]:
         df = self.read(table, columns=[KEY])

@@ -132,8 +132,10 @@ class Warehouse:
             finally:
                 con.close()
 
-    def load_users(self, layout: DataLayout, user_ids: list[str], tables: list[str] | None = None) -> dict[str, int]:
-        """Replace the given users' rows in every table from the Delta tables' active files.
+    def load_users(self, layout: DataLayout, user_ids: list[str], tables: list[str] | None = None,
+                   progress=None) -> dict[str, int]:
+        """Replace the given users' rows in every table from the Delta tables' active files
+        (`progress(done, total)` after each table).
 
         Rows are read through deltalake/pyarrow (DuckDB's delta extension is downloaded at first use,
         which a machine without network cannot do) and handed to DuckDB as Arrow."""
@@ -145,7 +147,10 @@ class Warehouse:
             # Under the writer lock, which a forget's delete also takes: a user forgotten before this
             # point is dropped here, one forgotten after is deleted by that forget.
             gone = layout.store.tombstones().forgotten_among(user_ids)
-            for table in tables or WAREHOUSE_TABLES:
+            names = list(tables or WAREHOUSE_TABLES)
+            for i, table in enumerate(names, start=1):
+                if progress is not None:
+                    progress(i - 1, len(names))
                 df = read_sources(layout, table, user_ids)
                 if df is not None and gone and "user_id" in df.columns:
                     df = df.filter(~pl.col("user_id").is_in(sorted(gone)))
@@ -157,6 +162,8 @@ class Warehouse:
                 loaded[table] = con.execute(
                     f'SELECT count(*) FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [user_ids]
                 ).fetchone()[0]
+            if progress is not None:
+                progress(len(names), len(names))
         return loaded
 
     def load_unattributed(self, layout: DataLayout, key: str) -> int:

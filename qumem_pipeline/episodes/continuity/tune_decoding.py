@@ -164,7 +164,8 @@ def choose_sim_dip(rule: DecisionRule, dev: tuple, calib: tuple, grid: Sequence[
     """``rule`` plus the grid's similarity dips with the lowest OOD-calib Pk among those no worse
     than ``rule`` on TIAGE dev as a whole AND on each of ``n_folds`` seeded folds of its dialogues
     (ties: lower dev Pk, then grid order). ``dev`` / ``calib``: (P(same) per dialogue, cosine per
-    dialogue, reference gap strings).
+    dialogue, reference gap strings); ``calib`` may be a list of such sets (one per out-of-domain
+    source), scored by the mean of their Pks so no one domain's size decides.
 
     Why per fold: the calib half is small and from one other domain, so the lowest-calib rule tends
     to trade a little TIAGE for it; a rule that is no worse on every fold of dev is one that does not
@@ -181,9 +182,12 @@ def choose_sim_dip(rule: DecisionRule, dev: tuple, calib: tuple, grid: Sequence[
         hyps = [r.boundaries(p, c) for p, c in zip(dev_probs, dev_sims)]
         return [scorers[0](hyps)] + [sc([hyps[i] for i in m]) for sc, m in zip(scorers[1:], members)]
 
+    calib_sets = list(calib) if isinstance(calib, list) else [calib]
+    calib_scorers = [PkScorer(refs) for _, _, refs in calib_sets]
+
     def calib_pk(r) -> float:
-        probs, sims, refs = calib
-        return PkScorer(refs)([r.boundaries(p, c) for p, c in zip(probs, sims)])
+        return float(np.mean([sc([r.boundaries(p, c) for p, c in zip(probs, sims)])
+                              for sc, (probs, sims, _) in zip(calib_scorers, calib_sets)]))
 
     floor = dev_pks(base)
     ok = []
@@ -196,7 +200,8 @@ def choose_sim_dip(rule: DecisionRule, dev: tuple, calib: tuple, grid: Sequence[
         return base, {"chosen_on": "TIAGE dev + OOD calib", "kept": "no similarity dips (none kept TIAGE dev)"}
     cal, dv, _, best = min(ok, key=lambda x: x[:3])
     return best, {"chosen_on": f"TIAGE dev (constraint: Pk <= the rule without dips on all of dev and on each of "
-                               f"{n_folds} seeded folds) + OOD calib (lowest Pk)",
+                               f"{n_folds} seeded folds) + OOD calib (lowest Pk"
+                               f"{', mean over ' + str(len(calib_sets)) + ' sets' if len(calib_sets) > 1 else ''})",
                   "dev_pk": round(dv, 4), "dev_pk_without_dips": round(floor[0], 4), "calib_pk": round(cal, 4),
                   "calib_pk_without_dips": round(calib_pk(base), 4), "n_candidates_kept": len(ok),
                   "grid": {"absolute": {"sim_threshold": list(SIM_DIP_THRESHOLDS)},
@@ -278,10 +283,15 @@ def main(argv: list[str] | None = None) -> int:
         from qumem_pipeline.episodes.continuity import ood_data as ood
 
         seed = ood.DEFAULT_SEED if args.ood_seed is None else args.ood_seed
+        from qumem_pipeline.episodes.continuity import generated_dialogues as gen
+
         calib = split_signals(clf, ood.ood_dialogues("calib", seed=seed))
-        rule, dip = choose_sim_dip(rule, dev, calib)
-        selection = {**selection, "sim_dip": {**dip, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed}}
+        gen_calib = split_signals(clf, gen.generated_dialogues("calib", seed=seed))
+        rule, dip = choose_sim_dip(rule, dev, [calib, gen_calib])
+        selection = {**selection, "sim_dip": {**dip, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed,
+                                              "generated_builder": gen.BUILDER_VERSION}}
         evaluated["ood_calib"] = calib
+        evaluated["gen_calib"] = gen_calib
     result = {"rule": rule.to_json(), "selection": selection, "version": artifact_version(
         clf.config.get("weights_version", clf.config["version"]), rule)}
     try:  # reported only, never used for a choice
@@ -292,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     if args.sim_dip:
         evaluated["ood_eval"] = split_signals(clf, ood.ood_dialogues("eval", seed=seed))
+        evaluated["gen_eval"] = split_signals(clf, gen.generated_dialogues("eval", seed=seed))
     metrics = {name: rule_metrics(rule, p, r, c) for name, (p, c, r) in evaluated.items()}
     if "test" in evaluated:
         p, c, r = evaluated["test"]

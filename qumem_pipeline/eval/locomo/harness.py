@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                          f"index does (default {SOURCE_WEIGHT:g}; 0: by their text alone)")
     ap.add_argument("--ledger", default=None, help="JSONL ledger of every LLM call (decomposition, A1/A2); a rerun "
                     "replays finished calls instead of paying twice (default <out>.ledger.jsonl with --out)")
+    ap.add_argument("--record", default=None, help="the evaluation record (default eval_record/ or $QUMEM_EVAL_RECORD; "
+                    "'off': none): calls it holds are replayed, the others sent and added to it")
+    ap.add_argument("--replay-only", action="store_true", help="no model: every LLM call from the record; fails "
+                    "listing the calls it lacks")
+    ap.add_argument("--replay-model", default=None, help="with --replay-only: the recorded model (name@dtype)")
     ap.add_argument("--strategies", default="", help="comma list of query strategies to compare side by side "
                     "(qumem,adamem,topk); qumem needs an LLM (--llm-kind or --decompose) and memories "
                     "(--memories or --decompose), else it is skipped with the reason")
@@ -212,14 +217,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    report = run_eval(args.path, **run_options(args))
+    from qumem_pipeline.eval.record import EvalRecord, default_root, format_missing
+
+    root = default_root() if args.record is None else (None if args.record.lower() == "off" else Path(args.record))
+    record = EvalRecord(root) if root is not None else None
+    kept = [a for i, a in enumerate(argv) if a not in ("--json", "--replay-only") and not a.startswith(
+        ("--record", "--out", "--ledger")) and not (i and argv[i - 1] in ("--record", "--out", "--ledger"))]
+    report = run_eval(args.path, **run_options(args), record=record, replay_only=args.replay_only,
+                      replay_model=args.replay_model, argv=kept)
     print(format_table(report))
+    rc = 0
+    if report.get("replay", {}).get("missing", {}).get("calls"):
+        from qumem_pipeline.eval.locomo.qa import _MissingView
+
+        print(format_missing(_MissingView(report["replay"], record)), file=sys.stderr)
+        rc = 1
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

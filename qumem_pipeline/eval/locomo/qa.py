@@ -150,9 +150,35 @@ def run_qa(
     embedder=None,
     retrieval_report: dict | None = None,
     log=None,
+    record=None,
+    replay_only: bool = False,
+    replay_model: str | None = None,
+    question_keys: Sequence[str] | None = None,
+    cover: bool = False,
 ) -> dict:
-    """Answer, score, checkpoint; the JSON report (also written to ``out``) and the HTML next to it."""
+    """Answer, score, checkpoint; the JSON report (also written to ``out``) and the HTML next to it.
+
+    ``record`` (an ``eval.record.EvalRecord`` or its path): every call is answered from it when it holds
+    the call, else sent and added to it; the run's manifest and the memories it decomposed go there too.
+    ``replay_only``: no model at all - every call from the record, in a fresh work directory (no
+    checkpoint, ledger or memories of earlier runs are read); calls it lacks are answered with an error
+    and listed in ``report['replay']['missing']``. With ``cover`` the report keeps only the questions
+    (and conversations) whose every call was in the record, and says which."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    from qumem_pipeline.eval.record import EvalRecord, RecordBackend, identity_from_runs
+
+    if record is not None and not isinstance(record, EvalRecord):
+        record = EvalRecord(record)
+    if replay_only and record is None:
+        raise ValueError("--replay-only needs a record (--record PATH, or the default eval_record/)")
+    report_out = Path(out) if out is not None else None
+    work = None
+    if replay_only:  # nothing of an earlier run is read: the record is the only source of model output
+        import tempfile
+
+        work = tempfile.TemporaryDirectory(prefix="qumem-replay-")
+        out = Path(work.name) / "replay.qa.json"
+        memories_out = None
     t0 = time.perf_counter()
     strategies = list(dict.fromkeys(strategies))
     bad = set(strategies) - set(QA_STRATEGIES)
@@ -165,6 +191,9 @@ def run_qa(
     convs, all_questions, load_info = load_questions(path, conversations=conversations, max_sessions=max_sessions,
                                                      limit_conversations=limit_conversations)
     selected = sample_questions(all_questions, sample_per_category, seed)
+    if question_keys is not None:
+        wanted = set(question_keys)
+        selected = [q for q in selected if q.key in wanted]
     log(f"[qa] {len(convs)} conversations, {len(all_questions)} questions, {len(selected)} selected "
         f"({'all' if sample_per_category is None else f'{sample_per_category} per category, seed {seed}'})")
 
@@ -185,10 +214,16 @@ def run_qa(
 
     llm_holder: list = []
 
-    def llm() -> LedgerBackend:
+    user_conv = {u: c.sample_id for c in convs for u in c.user_ids}
+
+    def llm():
         if not llm_holder:
-            inner = llm_backend or make_backend(llm_kind)
-            llm_holder.append(LedgerBackend(inner, paths["ledger"]))
+            if replay_only:
+                ident = identity_from_runs(record, path, replay_model)
+                llm_holder.append(RecordBackend(None, record, ident, user_conv))
+            else:
+                b = LedgerBackend(llm_backend or make_backend(llm_kind), paths["ledger"])
+                llm_holder.append(RecordBackend(b, record, None, user_conv) if record is not None else b)
         return llm_holder[0]
 
     decompose_info = None
@@ -322,7 +357,21 @@ def run_qa(
         for b in llm_holder:
             b.close()
 
+    replay_info = None
+    if replay_only:
+        replay_info, selected, convs_kept = _replay_summary(llm_holder[0] if llm_holder else None, selected, convs,
+                                                             cover, record, path, max_sessions, llm_max_tokens,
+                                                             memories if decompose else None)
     report = build_report(selected, run, done, skipped, strategies)
+    report["n_scored"] = report["n_questions"]
+    if replay_info is not None:
+        report["replay"] = replay_info
+    elif record is not None and llm_holder:
+        report["record"] = _record_run(llm_holder[0], record, path, convs, selected, run, done, memories if decompose
+                                       else None, {"max_sessions": max_sessions, "words": words, "chunk": chunk,
+                                                   "context_tokens": context_tokens, "llm_max_tokens": llm_max_tokens,
+                                                   "decompose": bool(decompose),
+                                                   "memories": None if decompose or memories is None else str(memories)})
     ledger_rows = JsonlLog(paths["ledger"]).rows() if paths["ledger"].exists() else []
     report.update({
         "dataset": str(path), **load_info, "n_conversations": len(convs), "seed": seed, "decomposition": decompose_info,
@@ -342,11 +391,107 @@ def run_qa(
     })
     from qumem_pipeline.eval.locomo.qa_report import write_html
 
+    if replay_only:  # the work directory goes; the report goes where --out said, if anywhere
+        report.update({"checkpoint": None, "ledger": None, "html": None})
+        if report_out is not None and report_out.suffix == ".json":
+            report_out.parent.mkdir(parents=True, exist_ok=True)
+            report_out.write_text(json.dumps(report, indent=2, default=str))
+        work.cleanup()
+        return report
     write_html(report, paths["html"], retrieval_report)
     tmp = paths["report"].with_name(".tmp-" + paths["report"].name)
     tmp.write_text(json.dumps(report, indent=2, default=str))
     os.replace(tmp, paths["report"])
     return report
+
+
+def _memory_frames(memories, convs) -> dict:
+    """sample_id -> that conversation's memories (both speakers'), from a memories table path."""
+    import polars as pl
+
+    from qumem_pipeline.eval.locomo.data import read_memories
+
+    try:
+        df = read_memories(memories)
+    except (FileNotFoundError, ValueError, OSError):
+        return {}
+    return {c.sample_id: df.filter(pl.col("user_id").is_in(c.user_ids)) for c in convs}
+
+
+def _record_run(backend, record, path, convs, selected, run, done, memories, settings: dict) -> dict:
+    """The run's manifest and decomposed memories, into the record; what the record gained."""
+    from qumem_pipeline.eval.record import RecordBackend, file_sha256, write_memories
+
+    if not isinstance(backend, RecordBackend):
+        return {}
+    ident = backend.identity
+    written = []
+    if memories is not None:
+        for sid, df in _memory_frames(memories, convs).items():
+            if df.height:
+                p = record.memories_path(Path(path).name, ident["model"], sid, settings["max_sessions"],
+                                         settings["llm_max_tokens"])
+                if write_memories(record, p, df):
+                    written.append(str(p.relative_to(record.root)))
+    answered = {s: sorted(q.key for q in selected if (s, q.key) in done) for s in run}
+    manifest = {"kind": "locomo_qa", "dataset": Path(path).name, "dataset_sha256": file_sha256(path),
+                "model_name": ident["model_name"], "model": ident["model"], "decoding": ident["decoding"],
+                "settings": settings, "conversations": sorted(c.sample_id for c in convs),
+                "answered": {s: k for s, k in answered.items() if k}}
+    mpath = record.add_run(manifest)
+    return {"root": str(record.root), "hits": backend.hits, "appended": backend.appended, "manifest": mpath.name,
+            "memories_written": written, **record.size()}
+
+
+def _replay_summary(backend, selected, convs, cover, record, path, max_sessions, llm_max_tokens, memories):
+    """(report['replay'], the questions kept, the conversations kept): with ``cover`` only what the
+    record answered in full; the regenerated memories checked against the record's copy."""
+    from qumem_pipeline.eval.record import read_memories_jsonl
+
+    missing = dict(backend.missing) if backend is not None else {}
+    bad_q = {m["question"] for m in missing.values() if m["question"]}
+    bad_conv = {m["conversation"] for m in missing.values() if not m["question"]}
+    kept_convs = [c.sample_id for c in convs if c.sample_id not in bad_conv]
+    kept = [q for q in selected if q.key not in bad_q and q.sample_id not in bad_conv] if cover else list(selected)
+    info = {"record": str(record.root), "model": backend.identity["model"] if backend else None,
+            "calls_replayed": backend.hits if backend else 0, "cover": bool(cover),
+            "conversations": sorted({q.sample_id for q in kept}) if cover else [c.sample_id for c in convs],
+            "questions": [q.key for q in kept], "n_questions": len(kept),
+            "left_out": {"conversations": sorted(bad_conv), "questions": sorted(bad_q)} if cover else None,
+            "missing": backend.missing_summary() if backend else {"calls": 0},
+            "missing_calls": sorted(({"key": k, **m} for k, m in missing.items()),
+                                    key=lambda m: (str(m["conversation"]), m["request_id"]))}
+    if memories is not None and backend is not None:
+        match = {}
+        for sid, df in _memory_frames(memories, convs).items():
+            p = record.memories_path(Path(path).name, backend.identity["model"], sid, max_sessions, llm_max_tokens)
+            if p.is_file():
+                rec = read_memories_jsonl([p])
+                key = lambda d: sorted(zip(d["memory_id"].to_list(), d["content"].to_list()))  # noqa: E731
+                match[sid] = key(rec) == key(df)
+        info["memories_match_record"] = match
+    return info, kept, kept_convs
+
+
+def cover_options(record, path: str) -> dict:
+    """``run_qa`` options that replay everything the record's QA runs on this dataset cover: the largest
+    group of runs with one model and one setting, its conversations, questions and strategies."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in record.runs():
+        if r.get("kind") == "locomo_qa" and r.get("dataset") == Path(path).name:
+            groups[json.dumps([r["model"], r["decoding"], r["settings"]], sort_keys=True)].append(r)
+    if not groups:
+        raise SystemExit(f"replay-only: the record {record.root} holds no QA run on {Path(path).name}; "
+                         "grow it with a run without --replay-only")
+    best = max(groups.values(), key=lambda rs: sum(len(k) for r in rs for k in r["answered"].values()))
+    st = best[0]["settings"]
+    keys = sorted({k for r in best for ks in r["answered"].values() for k in ks})
+    strategies = [s for s in QA_STRATEGIES if any(s in r["answered"] for r in best)]
+    return {"conversations": sorted({c for r in best for c in r["conversations"]}), "question_keys": keys,
+            "strategies": strategies, "words": st["words"], "chunk": st["chunk"], "context_tokens": st["context_tokens"],
+            "llm_max_tokens": st["llm_max_tokens"], "max_sessions": st["max_sessions"], "decompose": st["decompose"],
+            "memories": st["memories"], "replay_model": best[0]["model"],
+            "other_groups": len(groups) - 1}
 
 
 
@@ -391,24 +536,79 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--retrieval-json", default=None,
                     help="a retrieval harness JSON report: its recall-vs-budget curves go into the HTML report")
-    args = ap.parse_args(argv)
+    ap.add_argument("--questions", default=None, help="comma list of question keys (<sample_id>#<index>) to keep")
+    ap.add_argument("--record", default=None, help="the evaluation record (default eval_record/ or $QUMEM_EVAL_RECORD; "
+                    "'off': none): calls it holds are replayed, the others sent and added to it")
+    ap.add_argument("--replay-only", action="store_true", help="no model: every call from the record; fails listing "
+                    "the calls it lacks. With no selection flag: replays what the record's runs cover, and says which")
+    ap.add_argument("--replay-model", default=None, help="with --replay-only: the recorded model (name@dtype) when the "
+                    "record has several")
+    raw = list(argv) if argv is not None else sys.argv[1:]
+    args = ap.parse_args(raw)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    out = args.out or str(Path(".artifacts") / "locomo_qa" / f"{Path(args.path).stem}.qa.json")
+    from qumem_pipeline.eval.record import EvalRecord, default_root, format_missing
+
+    root = default_root() if args.record is None else (None if args.record.lower() == "off" else Path(args.record))
+    record = EvalRecord(root) if root is not None else None
+    opts = dict(strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+                sample_per_category=args.sample_per_category, seed=args.seed, words=args.words,
+                context_tokens=args.context_tokens, chunk=args.chunk, memories=args.memories, decompose=args.decompose,
+                memories_out=args.memories_out, llm_kind=args.llm_kind, llm_max_tokens=args.llm_max_tokens,
+                conversations=[c.strip() for c in args.conversations.split(",") if c.strip()] if args.conversations else None,
+                max_sessions=args.max_sessions, limit_conversations=args.limit_conversations,
+                question_keys=[k.strip() for k in args.questions.split(",") if k.strip()] if args.questions else None)
+    cover = args.replay_only and not any(a.startswith("--") and a.split("=", 1)[0] not in COVER_NEUTRAL for a in raw)
+    if cover:  # replay everything the record covers
+        got = cover_options(record, args.path)
+        other = got.pop("other_groups")
+        opts.update(got)
+        opts["sample_per_category"] = None
+        if other:
+            print(f"[qa] the record holds {other} other group(s) of runs (another model or setting); replaying the "
+                  "largest. Give its flags to replay another.", file=sys.stderr)
+    elif args.replay_model:
+        opts["replay_model"] = args.replay_model
+    out = args.out or (None if args.replay_only else str(Path(".artifacts") / "locomo_qa" / f"{Path(args.path).stem}.qa.json"))
     report = run_qa(
-        args.path, out=out, strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
-        sample_per_category=args.sample_per_category, seed=args.seed, words=args.words,
-        context_tokens=args.context_tokens, chunk=args.chunk, memories=args.memories, decompose=args.decompose,
-        memories_out=args.memories_out, llm_kind=args.llm_kind, llm_max_tokens=args.llm_max_tokens,
-        conversations=[c.strip() for c in args.conversations.split(",") if c.strip()] if args.conversations else None,
-        max_sessions=args.max_sessions, limit_conversations=args.limit_conversations,
+        args.path, out=out, **opts, record=record, replay_only=args.replay_only, cover=cover,
         continuity_artifact=args.continuity_artifact, device=args.device,
         retrieval_report=json.loads(Path(args.retrieval_json).read_text()) if args.retrieval_json else None,
     )
     print(format_table(report))
+    rc = 0
+    rp = report.get("replay")
+    if rp is not None:
+        print(f"[qa] replayed {rp['calls_replayed']} calls from {rp['record']}: conversations {rp['conversations']}, "
+              f"{rp['n_questions']} questions ({report['n_scored']} scored, categories 1-4): {rp['questions']}",
+              file=sys.stderr)
+        if cover and rp["left_out"] and (rp["left_out"]["questions"] or rp["left_out"]["conversations"]):
+            print(f"[qa] left out, not fully in the record: {json.dumps(rp['left_out'])}", file=sys.stderr)
+        if not cover and rp["missing"]["calls"]:
+            print(format_missing(_MissingView(rp, record)), file=sys.stderr)
+            rc = 1
+        if cover and not rp["n_questions"]:
+            print("[qa] the record covers no question of this file in full", file=sys.stderr)
+            rc = 1
     if args.json:
         print(json.dumps(report, default=str))
-    return 0
+    return rc
+
+
+# flags that select nothing: --replay-only with only these replays what the record covers
+COVER_NEUTRAL = {"--replay-only", "--json", "--record", "--out", "--device", "--continuity-artifact", "--retrieval-json"}
+
+
+class _MissingView:
+    """``format_missing``'s view of a replay report (the backend is gone by then)."""
+
+    def __init__(self, rp: dict, record) -> None:
+        self.record = record
+        self.missing = {m["key"]: m for m in rp["missing_calls"]}
+        self._summary = rp["missing"]
+
+    def missing_summary(self) -> dict:
+        return self._summary
 
 
 if __name__ == "__main__":

@@ -137,9 +137,29 @@ def run_eval(
     memory_source_weight: float = SOURCE_WEIGHT,
     ledger: str | os.PathLike | None = None,
     log=None,
+    record=None,
+    replay_only: bool = False,
+    replay_model: str | None = None,
+    argv: Sequence[str] | None = None,
 ) -> dict:
-    """The full report (a JSON-serialisable dict). See ``qumem_pipeline.eval.locomo.harness``."""
+    """The full report (a JSON-serialisable dict). See ``qumem_pipeline.eval.locomo.harness``.
+
+    ``record`` (``eval.record.EvalRecord``): model calls are answered from it first, the others sent and
+    added, and the run's ``argv`` is kept as a manifest; ``replay_only``: no model, no ledger, no
+    checkpoint of an earlier run - the calls the record lacks are in ``report['replay']['missing']``."""
     from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.eval.record import RecordBackend, identity_from_runs
+
+    replay_identity = None
+    work = None
+    if replay_only:
+        import tempfile
+
+        if record is None:
+            raise ValueError("--replay-only needs a record")
+        replay_identity = identity_from_runs(record, path, replay_model)
+        work = tempfile.TemporaryDirectory(prefix="qumem-replay-")
+        memories_out, ledger = work.name, None  # the decomposition's checkpoints too: nothing earlier is read
 
     log = log or _stderr
     t0 = time.perf_counter()
@@ -154,7 +174,7 @@ def run_eval(
     sources = gather_sources(convs, units, strategies, skipped, memories=memories, decompose=decompose,
                              llm_backend=llm_backend, llm_kind=llm_kind, continuity_artifact=continuity_artifact,
                              device=device, memories_out=memories_out, llm_max_tokens=llm_max_tokens, ledger=ledger,
-                             log=log)
+                             log=log, record=record, replay_identity=replay_identity)
     emb = embedder or Embedder.load(device=device)
     questions = [it.question for c in convs for it in items_by_conv[c.sample_id]]
     te = time.perf_counter()
@@ -181,6 +201,24 @@ def run_eval(
                              "rule": "memories ranked by normalize(text + w * normalize(mean of source turns))"
                              if memory_source_weight else "memories ranked by their text alone"}
     used = sources.backend.built() if sources.backend else None
+    if isinstance(used, RecordBackend):
+        if replay_only:
+            report["replay"] = {"record": str(record.root), "calls_replayed": used.hits,
+                                "missing": used.missing_summary(),
+                                "missing_calls": [{"key": k, **m} for k, m in sorted(used.missing.items())]}
+        else:
+            from qumem_pipeline.eval.record import file_sha256
+
+            ident = used.identity
+            manifest = record.add_run({"kind": "locomo_recall", "dataset": os.path.basename(str(path)),
+                                       "dataset_sha256": file_sha256(path), "model_name": ident["model_name"],
+                                       "model": ident["model"], "decoding": ident["decoding"],
+                                       "argv": list(argv or [])})
+            report["record"] = {"root": str(record.root), "hits": used.hits, "appended": used.appended,
+                                "manifest": manifest.name}
+        used = used.inner
+    if work is not None:
+        work.cleanup()
     if isinstance(used, LedgerBackend):
         report["llm_ledger"] = {"path": str(used.log.path), "sent": used.sent, "replayed": used.replayed}
         log(f"[locomo] LLM calls: {used.sent} sent, {used.replayed} replayed from {used.log.path}")

@@ -136,8 +136,10 @@ class _OneBackend:
     """One LLM backend for the run, built on first use (decomposition and qumem's A1/A2); with a
     ``ledger`` path every call is a ledger row and a rerun replays the finished ones (the QA run's ledger)."""
 
-    def __init__(self, given, llm_kind, ledger=None):
+    def __init__(self, given, llm_kind, ledger=None, record=None, replay_identity=None, user_conv=None):
         self._given, self._kind, self._ledger, self._backend = given, llm_kind, ledger, None
+        # the evaluation record (``eval.record``): replayed from first; with ``replay_identity`` nothing else
+        self._record, self._replay_identity, self._user_conv = record, replay_identity, user_conv
 
     def built(self):
         """The backend if anything used it, else None (nothing is started to ask)."""
@@ -145,24 +147,33 @@ class _OneBackend:
 
     def __call__(self):
         if self._backend is None:
+            from qumem_pipeline.eval.record import RecordBackend
+
+            if self._replay_identity is not None:
+                self._backend = RecordBackend(None, self._record, self._replay_identity, self._user_conv)
+                return self._backend
             self._backend = self._given or make_backend(self._kind)
             if self._ledger:
                 from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend
 
                 self._backend = LedgerBackend(self._backend, self._ledger)
+            if self._record is not None:
+                self._backend = RecordBackend(self._backend, self._record, None, self._user_conv)
         return self._backend
 
 
 def gather_sources(convs: list[Conversation], units: Sequence[str], strategies: Sequence[str], skipped: dict, *,
                    memories=None, decompose: bool = False, llm_backend=None, llm_kind: str | None = None,
                    continuity_artifact: str | None = None, device=None, memories_out=None,
-                   llm_max_tokens: int = 384, ledger=None, log=None) -> UnitSources:
+                   llm_max_tokens: int = 384, ledger=None, log=None, record=None,
+                   replay_identity=None) -> UnitSources:
     """Episodes, memories and the strategy LLM this run needs; reasons for what is missing go to ``skipped``."""
     log = log or (lambda msg: None)
     src = UnitSources()
     # the memories feed the memories row and the strategies (qumem ranks memories only)
     decompose = decompose and ("memories" in units or bool(strategies))
-    backend = src.backend = _OneBackend(llm_backend, llm_kind, ledger)
+    backend = src.backend = _OneBackend(llm_backend, llm_kind, ledger, record, replay_identity,
+                                        {u: c.sample_id for c in convs for u in c.user_ids})
     if "episodes" in units or decompose:
         try:
             te = time.perf_counter()
@@ -177,7 +188,7 @@ def gather_sources(convs: list[Conversation], units: Sequence[str], strategies: 
     elif strategies and memories is not None:
         src.memories = memories if isinstance(memories, pl.DataFrame) else read_memories(memories)
     # an LLM is "available" when the run was given one: a backend, --llm-kind, or --decompose
-    have_llm = llm_backend is not None or llm_kind is not None or decompose
+    have_llm = llm_backend is not None or llm_kind is not None or decompose or replay_identity is not None
     src.run_strategies = _runnable_strategies(strategies, have_llm, src.memories is not None, skipped)
     from qumem_pipeline.eval.locomo.adamem_units import NEEDS_LLM
 

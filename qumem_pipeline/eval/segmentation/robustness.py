@@ -16,9 +16,10 @@ This runs every system on both sets with nothing chosen on the evaluated sets:
 - ``texttiling_minilm``, ``fixed_window_4``, ``all_continue``, ``random_0.2`` as in
   ``qumem eval segmentation``.
 
-Sets: ``tiage_test`` and ``ood_eval`` (:mod:`.ood`, built from LoCoMo at run time, seeded);
-``--calib`` adds ``ood_calib``, the half of the LoCoMo sessions that decision parameters may be
-chosen on (so it is not a clean report). ``--sim-dip`` re-runs, per classifier, the choice of the
+Sets: ``tiage_test``, ``ood_eval`` (:mod:`.ood`, built from LoCoMo at run time, seeded) and
+``gen_eval`` (:mod:`~qumem_pipeline.episodes.continuity.generated_dialogues`: whole user–assistant task
+dialogues from templates, joined; its tasks never in ``gen_calib``); ``--calib`` adds ``ood_calib``
+and ``gen_calib``, the halves that decision parameters may be chosen on (so not clean reports). ``--sim-dip`` re-runs, per classifier, the choice of the
 similarity dips (:func:`~qumem_pipeline.episodes.continuity.tune_decoding.choose_sim_dip`, TIAGE dev
 + OOD calib) on the rule without them, adds it as ``LABEL+sim_dip(rechosen)`` and says whether it
 equals the shipped rule. Last line with ``--json``: one JSON object.
@@ -38,6 +39,7 @@ from qumem_pipeline.episodes.continuity.decoding import rule_of
 from qumem_pipeline.episodes.dialogues import Dialogue
 from qumem_pipeline.episodes.metrics import Scores, evaluate
 from qumem_pipeline.eval.segmentation import baselines as bl
+from qumem_pipeline.episodes.continuity import generated_dialogues as gen
 from qumem_pipeline.episodes.continuity import ood_data as ood
 
 SIM_THRESHOLDS = tuple(round(float(t), 2) for t in np.arange(0.0, 0.91, 0.01))
@@ -117,9 +119,11 @@ def classifier_hyps(clf, dialogues: list[Dialogue], batch_size: int = 64) -> lis
 def load_sets(with_calib: bool = False, seed: int = ood.DEFAULT_SEED) -> dict[str, list[Dialogue]]:
     from qumem_pipeline.episodes.continuity.data import load_tiage
 
-    sets = {"tiage_test": load_tiage("test"), "ood_eval": ood.ood_dialogues("eval", seed=seed)}
+    sets = {"tiage_test": load_tiage("test"), "ood_eval": ood.ood_dialogues("eval", seed=seed),
+            "gen_eval": gen.generated_dialogues("eval", seed=seed)}
     if with_calib:
         sets["ood_calib"] = ood.ood_dialogues("calib", seed=seed)
+        sets["gen_calib"] = gen.generated_dialogues("calib", seed=seed)
     return sets
 
 
@@ -154,7 +158,10 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
     sim_thr = choose_sim_threshold(dev_cos, dev)
     cos = {n: adjacent_similarity(ds, embedder) for n, ds in sets.items()}
     if sim_dip:
-        calib = calib if calib is not None else (sets.get("ood_calib") or ood.ood_dialogues("calib", seed=seed))
+        calib = calib if calib is not None else [sets.get("ood_calib") or ood.ood_dialogues("calib", seed=seed),
+                                                 sets.get("gen_calib") or gen.generated_dialogues("calib", seed=seed)]
+        if calib and isinstance(calib[0], Dialogue):  # one calibration set given (tests)
+            calib = [calib]
 
     table: dict[str, dict[str, dict]] = {}
     versions = {}
@@ -177,9 +184,8 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
             table[f"{label}/no_sim_dip"] = scored(rule.without_similarity(), signals)
         if sim_dip:
             dev_p, dev_c = classifier_signals(clf, dev, batch_size)
-            cal_p, cal_c = classifier_signals(clf, calib, batch_size)
-            rechosen, sel = choose_sim_dip(rule, (dev_p, dev_c, [d.boundaries for d in dev]),
-                                           (cal_p, cal_c, [d.boundaries for d in calib]))
+            cal = [(*classifier_signals(clf, c, batch_size), [d.boundaries for d in c]) for c in calib]
+            rechosen, sel = choose_sim_dip(rule, (dev_p, dev_c, [d.boundaries for d in dev]), cal)
             versions[label]["sim_dip_rechosen"] = {**sel, "rule": rechosen.to_json(),
                                                    "equals_shipped_rule": rechosen == rule}
             table[f"{label}+sim_dip(rechosen)"] = scored(rechosen, signals)
@@ -192,6 +198,7 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
     stats = {n: {"n_dialogues": len(ds), "n_utterances": sum(len(d.utterances) for d in ds),
                  "n_boundaries": sum(sum(d.boundaries) for d in ds)} for n, ds in sets.items()}
     result = {"sets": stats, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed,
+              "generated_builder": gen.BUILDER_VERSION,
               "minilm_adjacent_sim_threshold": sim_thr, "minilm_adjacent_sim_threshold_chosen_on": "TIAGE dev",
               "classifiers": versions, "systems": table, "elapsed_s": round(time.time() - t0, 1)}
     for n, s in stats.items():

@@ -1,0 +1,46 @@
+"""The retriever a query strategy answers from, built from the tables: the one place the query-states
+asset and the personalization job (`query.personalize`) take it from.
+
+`typed` strategies search the per-user, per-type FAISS indexes (`retrieval.TypedMemoryRetriever`);
+`adamem` walks the user bundles (turns, memories with their embeddings, memory graph, persona profiles).
+"""
+
+import polars as pl
+
+from qumem_pipeline.index.vector_store import VectorStore
+from qumem_pipeline.query.retrieval import TypedMemoryRetriever
+from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever, UserBundle
+from qumem_pipeline.query.strategies.base import QueryStrategy
+from qumem_pipeline.storage.layout import DataLayout
+
+GRAPH_NODES, GRAPH_EDGES = "memory_graph_nodes", "memory_graph_edges"
+
+
+class MissingUpstream(RuntimeError):
+    """A table the strategy answers from has not been built for a user."""
+
+
+def adamem_retriever(layout: DataLayout, users: list[str], turns_by_user: dict, mems: pl.DataFrame, embedder) -> AdaMemRetriever:
+    """AdaMem bundles from the existing tables: turns, memories (+ their embeddings), graph, profiles."""
+    emb = layout.read_table("memory_embeddings", users)
+    if emb is not None and set(emb["embedding_model"].unique().to_list()) == {embedder.version}:
+        vectors = dict(zip(emb["memory_id"].to_list(), emb["embedding"].to_numpy()))
+    else:  # none yet, or from another model: embed the memories with the query embedder
+        vectors = None
+    bundles = {}
+    for u in users:
+        nodes, edges = layout.read_user_table(GRAPH_NODES, u), layout.read_user_table(GRAPH_EDGES, u)
+        if turns_by_user.get(u) is None or nodes is None or edges is None:
+            raise MissingUpstream(f"user {u}: materialize `turns` and `memory_graph` first (strategy adamem)")
+        bundles[u] = UserBundle.build(u, turns_by_user[u], mems.filter(pl.col("user_id") == u), embedder,
+                                      nodes=nodes, edges=edges, profiles=layout.read_user_table("persona_profiles", u),
+                                      memory_vectors=vectors)
+    return AdaMemRetriever(bundles, embedder)
+
+
+def retriever_for(strategy: QueryStrategy, layout: DataLayout, users: list[str], turns_by_user: dict,
+                  mems: pl.DataFrame, embedder):
+    """The retriever `strategy.infer` expects (`strategy.retriever_kind`) over these users' tables."""
+    if strategy.retriever_kind == "adamem":
+        return adamem_retriever(layout, users, turns_by_user, mems, embedder)
+    return TypedMemoryRetriever(VectorStore(layout), embedder, mems)

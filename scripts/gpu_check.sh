@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU paths against the CPU (classifier decisions, FAISS top-k): scripts/gpu_check.py, one JSON
+# line last. From the repository root of a checkout, on a machine with a CUDA GPU and no network:
+#
+#     bash scripts/gpu_check.sh            # exit 0: agreed, or "skipped: no CUDA"; 1: mismatch; 2: could not run
+#
+# Python: $QUMEM_GPU_PYTHON, else the first of python3 / .venv/bin/python whose torch sees CUDA, else
+# .venv/bin/python (or python3), which then reports "skipped: no CUDA". Carried beside the checkout
+# (64 MiB at most, docs/operating.md#gpu-check): .cache/gpu_check (the fp16 base model, made by
+# `.venv/bin/python scripts/gpu_check.py --prepare-carry`), and optionally .whl/*.whl (wheels
+# installed into a temporary target, never into the interpreter). Whole run bounded by
+# $QUMEM_GPU_CHECK_TIMEOUT seconds (default 540: inside a 10-minute limit).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+py="${QUMEM_GPU_PYTHON:-}"
+if [ -z "$py" ]; then
+  for cand in python3 .venv/bin/python; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+      py="$cand"; break
+    fi
+  done
+fi
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site="$(mktemp -d /tmp/qumem-gpu-site.XXXXXX)"
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl >&2 || exit 2
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+exec timeout "${QUMEM_GPU_CHECK_TIMEOUT:-540}" "$py" scripts/gpu_check.py "$@"

@@ -1,0 +1,197 @@
+"""The evaluation record (qumem_pipeline/eval/record.py): calls stored by content and replayed; a replay
+with no model at all; the committed table replayed from eval_record/ and compared with its JSON."""
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from qumem_pipeline.eval.record import (
+    ERROR_RECORD_MISS, RECORD_ROOT, EvalRecord, RecordBackend, call_key, format_missing, model_identity,
+)
+from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMEndpointError
+
+REPO = Path(__file__).resolve().parents[1]
+DEV = REPO.parent / "shared" / "datasets" / "locomo" / "locomo_dev5.json"
+TABLE = "locomo_qa_smollm2_conv30_s1"
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+class CountingBackend(BackendBase):
+    """An engine that answers every request with its prompt's length, counting what it was sent."""
+
+    backend_name = "local"
+    model_name = "tiny-model"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.sent: list[str] = []
+        self.fail = fail
+
+    def generate(self, requests):
+        if self.fail:
+            raise LLMEndpointError("http://nowhere", "refused", 1)
+        self.sent += [r.request_id for r in requests]
+        return [ChatResult(r.request_id, {"answer": str(len(r.messages[0]["content"]))},
+                           json.dumps({"answer": str(len(r.messages[0]["content"]))}), None, 7, 3, 5, 0.1, 1, "stop")
+                for r in requests]
+
+
+def req(text: str, rid: str = "conv-1#0/answer", max_tokens: int = 16) -> ChatRequest:
+    return ChatRequest(rid, [{"role": "user", "content": text}], SCHEMA, max_tokens, "qa_answer",
+                       metadata={"user_id": "u1"})
+
+
+def test_calls_are_recorded_once_and_replayed_with_no_model(tmp_path):
+    rec = EvalRecord(tmp_path / "rec")
+    inner = CountingBackend()
+    first = RecordBackend(inner, rec)
+    out = first.generate([req("hello"), req("world!", "conv-1#1/answer")])
+    assert [r.parsed for r in out] == [{"answer": "5"}, {"answer": "6"}]
+    assert first.appended == 2 and len(inner.sent) == 2 and len(rec.keys()) == 2
+
+    # a second run over the same record sends nothing
+    again = CountingBackend()
+    second = RecordBackend(again, EvalRecord(tmp_path / "rec"))
+    assert [r.parsed for r in second.generate([req("world!", "conv-1#1/answer")])] == [{"answer": "6"}]
+    assert again.sent == [] and second.hits == 1
+
+    # replay-only: no backend at all; a call the record lacks is an error result, listed by stage/conversation
+    ident = model_identity(inner)
+    assert ident["model"] == "tiny-model@auto" and ident["decoding"]["engine"] == "transformers"
+    only = RecordBackend(None, EvalRecord(tmp_path / "rec"), ident)
+    got = only.generate([req("hello"), req("not asked before", "conv-2#4/answer")])
+    assert got[0].parsed == {"answer": "5"} and got[0].cached_tokens is None
+    assert got[1].error.startswith(ERROR_RECORD_MISS)
+    assert only.missing_summary() == {"calls": 1, "by_stage": {"qa_answer": 1}, "by_conversation": {"conv-2": 1}}
+    assert "conv-2#4/answer" in format_missing(only)
+
+
+def test_entries_are_content_addressed_and_byte_stable(tmp_path):
+    ident = {"model_name": "m", "model": "m@bfloat16", "decoding": {"engine": "openai-compatible", "temperature": 0.0}}
+    k1, fields = call_key(ident, req("x"))
+    assert fields["model"] == "m@bfloat16" and set(fields) == {"model", "decoding", "max_tokens", "schema_digest",
+                                                                "prompt_digest"}
+    assert call_key(ident, req("x", rid="another/id"))[0] == k1  # the request id is not content
+    assert call_key(ident, req("x", max_tokens=32))[0] != k1
+    assert call_key({**ident, "model": "m@float32"}, req("x"))[0] != k1
+    assert call_key(ident, req("x"), occurrence=1)[0] != k1  # a retry of the same request is its own call
+
+    # two machines recording the same call write the same bytes (gzip without mtime, sorted keys)
+    a, b = EvalRecord(tmp_path / "a"), EvalRecord(tmp_path / "b")
+    RecordBackend(CountingBackend(), a).generate([req("same")])
+    RecordBackend(CountingBackend(), b).generate([req("same")])
+    (ka,) = a.keys()
+    assert a.path_of(ka).read_bytes() == b.path_of(ka).read_bytes()
+    entry = json.loads(gzip.decompress(a.path_of(ka).read_bytes()))
+    assert {"output", "prompt_tokens", "completion_tokens", "finish_reason", "prompt_digest"} <= set(entry)
+    assert "cached_tokens" not in entry and "created_at" not in entry
+
+
+def test_retry_of_a_request_is_its_own_entry_and_failures_are_not_recorded(tmp_path):
+    rec = EvalRecord(tmp_path / "rec")
+    b = RecordBackend(CountingBackend(), rec)
+    b.generate([req("same")])
+    b.generate([req("same")])  # the same request again in one run: the n-th occurrence
+    assert len(rec.keys()) == 2
+    dead = RecordBackend(CountingBackend(fail=True), rec)
+    with pytest.raises(LLMEndpointError):
+        dead.generate([req("never answered")])
+    assert len(rec.keys()) == 2
+    rec.remove(rec.keys()[0])
+    assert len(rec.keys()) == 1
+
+
+def test_generate_each_records_and_replays(tmp_path):
+    rec = EvalRecord(tmp_path / "rec")
+    got = []
+    RecordBackend(CountingBackend(), rec).generate_each([req("a"), req("bb")], lambda q, r: got.append(r.parsed))
+    assert len(got) == 2 and len(rec.keys()) == 2
+    again = []
+    only = RecordBackend(None, rec, model_identity(CountingBackend()))
+    only.generate_each([req("a"), req("bb")], lambda q, r: again.append(r.parsed))
+    assert again == got and only.hits == 2 and not only.missing
+
+
+needs_data = pytest.mark.skipif(not DEV.exists(), reason=f"LoCoMo dev file not at {DEV} (../shared/datasets)")
+
+
+@needs_data
+def test_committed_table_replays_from_the_record_with_no_model(monkeypatch, capsys):
+    """The published table (docs/evaluation.md) regenerated from eval_record/ alone equals its JSON."""
+    from qumem_pipeline.eval.record_cli import check
+
+    monkeypatch.setenv("QUMEM_LLM_KIND", "no-such-backend")  # any model start would fail loudly
+    assert (RECORD_ROOT / "tables" / f"{TABLE}.json").is_file()
+    rc = check(EvalRecord(RECORD_ROOT), [TABLE])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"{TABLE}: same" in out
+    body = json.loads((RECORD_ROOT / "tables" / f"{TABLE}.json").read_text())
+    fig = body["figures"]
+    assert set(fig["qa"]) == {"none", "topk_turns", "topk_memories", "qumem", "adamem"}
+    assert fig["replayed"]["missing_calls"] == 0 and fig["replayed"]["memories_match_record"] == {"conv-30": True}
+    for s, v in fig["f1_vs_topk_turns"].items():  # every comparison carries its n and interval
+        assert v["n"] == fig["n_scored"] and len(v["ci95"]) == 2
+
+
+@needs_data
+def test_replay_only_fails_listing_the_calls_the_record_lacks(monkeypatch, capsys):
+    """Another word budget changes every top-k prompt: none of them is in the record."""
+    from qumem_pipeline.cli import main as cli_main
+
+    monkeypatch.setenv("QUMEM_EVAL_RECORD", str(RECORD_ROOT))
+    monkeypatch.chdir(REPO)
+    rc = cli_main(["eval", "locomo", str(DEV), "--qa", "--replay-only", "--strategies", "topk_turns", "--conversations",
+                   "conv-30", "--max-sessions", "1", "--sample-per-category", "1", "--words", "64",
+                   "--replay-model", "SmolLM2-135M-Instruct-Q4_1@float32"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "not in the record" in err and '"qa_answer"' in err and "topk_turns/conv-30#" in err
+    assert not any(p.name.startswith(".tmp-") for p in RECORD_ROOT.rglob("*"))
+
+
+
+def test_recall_harness_records_then_replays_with_no_model(monkeypatch, tmp_path):
+    """The retrieval harness's A1/A2 calls go to the record; --replay-only gives the same recall with no
+    model, and a record without them fails listing the calls."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import test_qumem_harness as tq
+    from fake_openai_server import RunningFakeServer
+    from qumem_pipeline.eval.locomo.harness import main
+
+    path = tmp_path / "toy_locomo.json"
+    path.write_text(json.dumps(tq._toy_locomo()))
+    mem_dir = tmp_path / "memories"
+    for uid, g in tq._memories().group_by("user_id"):
+        (mem_dir / f"user_id={uid[0]}").mkdir(parents=True)
+        g.write_parquet(mem_dir / f"user_id={uid[0]}" / "part-0.parquet")
+    script = {"model": "fake-planner", "rules": [
+        *({"match": f"Current query: {q}\n\nInformation needs", "responses": [{"json": {"queries": plan}}]}
+          for q, plan in tq.PLANS.items()),
+        {"match": "information-need agent", "responses": [{"json": {"needs": [{"need": "the fact", "why": "to answer"}]}}]},
+    ]}
+    rec = tmp_path / "rec"
+    args = [str(path), "--json", "--units", "turns", "--memories", str(mem_dir), "--strategies", "qumem"]
+
+    def run(extra):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            rc = main(args + extra)
+        return rc, json.loads(out.getvalue().strip().splitlines()[-1]), err.getvalue()
+
+    with RunningFakeServer(script, tmp_path / "srv") as srv:
+        monkeypatch.setenv("QUMEM_LLM_BASE_URL", srv.base_url)
+        rc, first, _ = run(["--llm-kind", "openai", "--record", str(rec)])
+    assert rc == 0 and first["record"]["appended"] == 6  # 3 questions x (A1, A2)
+    monkeypatch.delenv("QUMEM_LLM_BASE_URL")
+    rc, again, _ = run(["--replay-only", "--record", str(rec)])
+    assert rc == 0 and again["replay"]["calls_replayed"] == 6 and again["replay"]["missing"]["calls"] == 0
+    assert again["retrieval"]["strategies"]["qumem"] == first["retrieval"]["strategies"]["qumem"]
+    for f in (rec / "calls").rglob("*.json.gz"):
+        f.unlink()
+    rc, _, err = run(["--replay-only", "--record", str(rec)])
+    assert rc == 1 and "model call(s) are not in the record" in err and "information_needs" in err
