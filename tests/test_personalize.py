@@ -150,7 +150,9 @@ def test_cli_personalize_after_the_main_job(tmp_path):
     try:
         assert con.execute("SELECT count(*) FROM personalization").fetchone()[0] == 2
         assert con.execute("SELECT count(*) FROM personalization_quarantine").fetchone()[0] == 2
-        assert con.execute("SELECT count(*) FROM query_states").fetchone()[0] == 0
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        # a batch is not the deployment's queries: nothing of it lands in query_states
+        assert "query_states" not in tables or con.execute("SELECT count(*) FROM query_states").fetchone()[0] == 0
     finally:
         con.close()
     with RunningFakeServer(SCRIPT, work / "srv2") as srv:
