@@ -319,15 +319,23 @@ def cmd_pipeline(args: argparse.Namespace, job_name: str) -> int:
     return 0
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    """`qumem show USER_ID`: the user's episodes, memories and query states from the warehouse."""
+def _valid_user_id(user_id: str) -> bool:
+    """Check a user id from the command line; a bad one is reported on stderr."""
     from qumem_pipeline.contracts.ids import InvalidUserId, validate_user_id
-    from qumem_pipeline.runtime.summary import render_user, user_view
 
     try:
-        validate_user_id(args.user_id)
+        validate_user_id(user_id)
     except InvalidUserId as e:
         print(f"error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """`qumem show USER_ID`: the user's episodes, memories and query states from the warehouse."""
+    from qumem_pipeline.runtime.summary import render_user, user_view
+
+    if not _valid_user_id(args.user_id):
         return 2
     wh = _defs().resources["pipeline"].warehouse()
     if not wh.path.exists():
@@ -347,12 +355,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    from qumem_pipeline.contracts.ids import InvalidUserId, validate_user_id
-
-    try:
-        validate_user_id(args.user_id)
-    except InvalidUserId as e:
-        print(f"error: {e}", file=sys.stderr)
+    if not _valid_user_id(args.user_id):
         return 2
     instance = _instance()
     if getattr(args, "verify", False):

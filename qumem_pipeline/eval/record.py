@@ -333,12 +333,9 @@ class RecordBackend(BackendBase):
             self.appended += 1
 
     def _tally(self, res: ChatResult) -> None:
-        t = self.used[self._tags.get("strategy") or "?"]
-        t["calls"] += 1
-        t["errors"] += not res.ok
-        t["salvaged"] += res.salvaged
-        t["prompt_tokens"] += res.prompt_tokens
-        t["completion_tokens"] += res.completion_tokens
+        from qumem_pipeline.eval.locomo.qa_ledger import tally_call
+
+        tally_call(self.used, self._tags, res)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
         keyed = [self._key(r) for r in requests]

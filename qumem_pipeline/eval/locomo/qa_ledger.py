@@ -126,12 +126,7 @@ class LedgerBackend(BackendBase):
         return row
 
     def _tally(self, res: ChatResult) -> None:
-        tally = self.used[self.tags.get("strategy") or "?"]
-        tally["calls"] += 1
-        tally["errors"] += not res.ok
-        tally["salvaged"] += res.salvaged
-        tally["prompt_tokens"] += res.prompt_tokens
-        tally["completion_tokens"] += res.completion_tokens
+        tally_call(self.used, self.tags, res)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
         fps = [request_fingerprint(self.model_name, r) for r in requests]
@@ -186,3 +181,13 @@ class LedgerBackend(BackendBase):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def tally_call(used: dict[str, dict[str, int]], tags: dict, res: ChatResult) -> None:
+    """Count one answered call under its strategy tag (the QA report's llm_calls per strategy)."""
+    tally = used[tags.get("strategy") or "?"]
+    tally["calls"] += 1
+    tally["errors"] += not res.ok
+    tally["salvaged"] += res.salvaged
+    tally["prompt_tokens"] += res.prompt_tokens
+    tally["completion_tokens"] += res.completion_tokens
