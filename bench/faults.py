@@ -1,6 +1,6 @@
 """Fault report (issue 7): inject each fault, recover, and count the rows lost (must be 0).
 
-    python bench/faults.py [--skip-kills] [--json]
+    python bench/faults.py [--skip-kills] [--json]            # every scenario, erasure under load included
     python bench/faults.py --scenario erasure [--seeds 0,1,2] [--erasure-users 4 --erasure-runs 3 --erasure-forgets 2] --json
 
 Scenarios:
@@ -40,7 +40,7 @@ Scenarios:
 `slowdown` = the scenario's wall time over the clean run of its kind measured in this same run.
 The last line (with --json) is one JSON object: {"rows": [...], "total_rows_lost": n, ...} (with the
 erasure scenario also "erasure": {the five figures summed over seeds, "seeds": [...], "reference": {...}}).
-`--smoke`: the LLM and bad-row scenarios only (no killed runs; about 30 s on 2 cores).
+`--smoke`: the LLM and bad-row scenarios only (no killed runs, no erasure; about 30 s on 2 cores).
 """
 
 import argparse
@@ -660,8 +660,9 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=N_USERS)
     ap.add_argument("--episodes", type=int, default=N_EPISODES, help="episodes per user (at least 6 unless --smoke)")
     ap.add_argument("--smoke", action="store_true", help="smallest configuration: the LLM and bad-row scenarios, no killed runs")
-    ap.add_argument("--scenario", choices=("default", "erasure", "all"), default="default",
-                    help="default: LLM, bad-row and killed-run scenarios; erasure: only erasure under load; all: both")
+    ap.add_argument("--scenario", choices=("default", "erasure", "all"), default=None,
+                    help="default: LLM, bad-row and killed-run scenarios; erasure: only erasure under load; "
+                         "all (the default without --smoke): both")
     ap.add_argument("--seeds", default="0,1,2", help="erasure: comma-separated seeds, one scenario each")
     ap.add_argument("--erasure-users", type=int, default=4, help="erasure: users in the archive")
     ap.add_argument("--erasure-runs", type=int, default=3, help="erasure: concurrent pipeline runs (run / main_job / ingest_job)")
@@ -671,6 +672,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.skip_kills = True
+    if args.scenario is None:  # a plain run shows every scenario; --smoke stays the quick one
+        args.scenario = "default" if args.smoke else "all"
     base = args.scenario in ("default", "all")
     erasure = args.scenario in ("erasure", "all")
     N_USERS, N_EPISODES = args.users, args.episodes

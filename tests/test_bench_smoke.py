@@ -57,12 +57,12 @@ def test_faults_smoke():
     # measured, not constants: the scenarios that make calls fail on purpose quarantine exactly those calls
     assert rows["llm:malformed-output"]["rows_quarantined"] == 6 and rows["llm:schema-violating-output"]["rows_quarantined"] == 3
     assert rows["input:bad-rows"]["repeated_calls"] is None  # no LLM call to repeat
-    assert got["config"]["kill_points"] == []
+    assert got["config"]["kill_points"] == [] and "erasure" not in got  # --smoke: no erasure scenario
 
 
 @pytest.mark.slow
 def test_faults_one_killed_run():
-    got = run_bench("bench/faults.py", "--kill-points", "decompose.batch", timeout=1200)
+    got = run_bench("bench/faults.py", "--scenario", "default", "--kill-points", "decompose.batch", timeout=1200)
     rows = {r["scenario"]: r for r in got["rows"]}
     kill, clean = rows["kill:decompose.batch"], rows["kill:none (clean run)"]
     assert kill["recovered"] and clean["recovered"] and kill["rows_lost"] == 0
