@@ -118,7 +118,7 @@ def test_side_by_side_on_slices(capsys):
     clf = ContinuityClassifier.load(device="cpu")
     sets = {"tiage_test": load_tiage("test")[:6], "ood_eval": ood.ood_dialogues("eval")[:3]}
     res = rb.run(as_json=True, sets=sets, dev=load_tiage("dev")[:12], classifiers={"classifier": clf},
-                 sim_dip=True, calib=ood.ood_dialogues("calib")[:3])
+                 sim_dip=True, calib=ood.ood_dialogues("calib")[:3], learned=True)
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == json.loads(json.dumps(res))
     assert any(line.startswith("minilm_adjacent_sim") for line in out)
@@ -126,9 +126,13 @@ def test_side_by_side_on_slices(capsys):
     assert "kept" in rechosen or rechosen["dev_pk"] <= rechosen["dev_pk_without_dips"]
     assert res["classifiers"]["classifier"]["version"] == clf.version
     assert clf.rule.needs_similarity, "the committed artifact ships the similarity dips"
+    learned = res["classifiers"]["classifier"]["learned_rechosen"]
+    assert learned["rule"]["rule"] == "learned-logistic-v1" and learned["equals_shipped_rule"] is False
+    assert set(learned["cv_pk"]) == {"tiage_dev", "calib0"} and learned["n_candidates"] == 18
+    assert any(line.startswith("classifier+learned(rechosen): boundary when a logistic score") for line in out)
     assert set(res["systems"]) == {"classifier", "classifier/no_sim_dip", "classifier+sim_dip(rechosen)",
-                                   "minilm_adjacent_sim", "texttiling_minilm", "fixed_window_4", "all_continue",
-                                   "random_0.2"}
+                                   "classifier+learned(rechosen)", "minilm_adjacent_sim", "texttiling_minilm",
+                                   "fixed_window_4", "all_continue", "random_0.2"}
     for system, by_set in res["systems"].items():
         assert set(by_set) == set(sets), system
         for s in by_set.values():

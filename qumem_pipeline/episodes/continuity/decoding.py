@@ -33,6 +33,17 @@ P(same) < threshold".
    clear cases. Its parameters are chosen on TIAGE dev (no worse than the rule without it) and the
    OOD calib half (:func:`qumem_pipeline.episodes.continuity.tune_decoding.choose_sim_dip`).
 
+5. learned (optional, ``learned`` set; rule ``learned-logistic-v1``): steps 1-4 are replaced by a
+   logistic score over named per-gap features of both sequences (:mod:`.gap_features`: the logit of
+   P(same), the cosine, their relative dips over several windows, depth scores, local minima, an
+   edge flag) — coefficients, intercept and cutoff stored as plain JSON numbers. A gap is a
+   boundary when its score exceeds ``cutoff`` (and, with ``local_max``, is no lower than either
+   neighbour's score). Why: a fixed OR of hand-set thresholds cannot weigh the two signals against
+   each other per domain; the weights are fitted, and the cutoff chosen, on TIAGE dev + OOD calib +
+   generated calib only (:func:`qumem_pipeline.episodes.continuity.tune_decoding.choose_learned`).
+   The fields of steps 1-3 stay in the rule as the classifier's decision alone
+   (:meth:`DecisionRule.without_similarity`, the reference row of the evaluation).
+
 The artifact's ``version`` is derived from its weights version and this rule's JSON
 (:func:`artifact_version`), never typed in: a rule change is a new classifier version.
 """
@@ -42,14 +53,82 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from qumem_pipeline.episodes.continuity.gap_features import check_feature_names, feature_matrix
+from qumem_pipeline.episodes.continuity.gap_features import neighbour_mean  # noqa: F401  (re-exported)
+
 RULE_NAME = "smooth-threshold-peaks-v1"  # steps 1-3 only (its JSON is unchanged, so are old versions)
 RULE_NAME_SIM = "smooth-threshold-peaks-simdip-v1"  # steps 1-4
+RULE_NAME_LEARNED = "learned-logistic-v1"  # step 5 (steps 1-3 kept as the classifier-alone reference)
 ARTIFACT_FORMAT_V2 = "continuity-minilm-lora-v2"
 _SIM_FIELDS = ("sim_threshold", "sim_window", "sim_drop", "sim_gate", "sim_local_min")
+
+
+@dataclass(frozen=True)
+class LearnedScore:
+    """Step 5: P(boundary) = sigmoid(intercept + coef . features(gap)); boundary when > cutoff."""
+
+    features: tuple[str, ...]
+    coef: tuple[float, ...]
+    intercept: float
+    cutoff: float
+    local_max: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(str(f) for f in self.features))
+        object.__setattr__(self, "coef", tuple(float(x) for x in self.coef))
+        object.__setattr__(self, "intercept", float(self.intercept))
+        object.__setattr__(self, "cutoff", float(self.cutoff))
+        check_feature_names(self.features)
+        if not self.features:
+            raise ValueError("learned decision rule: no features")
+        if len(self.coef) != len(self.features):
+            raise ValueError(f"learned decision rule: {len(self.coef)} coefficients for {len(self.features)} features")
+        if not all(np.isfinite(self.coef)) or not np.isfinite(self.intercept):
+            raise ValueError("learned decision rule: coefficients and intercept must be finite numbers")
+        if not 0.0 < self.cutoff < 1.0:
+            raise ValueError(f"learned decision rule: cutoff {self.cutoff} outside (0, 1)")
+
+    @property
+    def uses_cosine(self) -> bool:
+        return any(f == "c" or f.startswith("c_") for f in self.features)
+
+    def score(self, p_same: Sequence[float], cosine: Sequence[float] | None) -> np.ndarray:
+        """P(boundary) per gap (float64)."""
+        p = np.asarray(p_same, dtype=np.float64)
+        c = np.zeros(len(p)) if cosine is None else cosine
+        if not len(p):
+            return np.zeros(0)
+        z = feature_matrix(self.features, p, c) @ np.asarray(self.coef) + self.intercept
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def boundaries(self, p_same: Sequence[float], cosine: Sequence[float] | None) -> np.ndarray:
+        s = self.score(p_same, cosine)
+        b = s > self.cutoff
+        if self.local_max and len(s):
+            left = np.concatenate([[-np.inf], s[:-1]])
+            right = np.concatenate([s[1:], [-np.inf]])
+            b &= (s >= left) & (s >= right)
+        return b
+
+    def to_json(self) -> dict:
+        return {"features": list(self.features), "coef": list(self.coef), "intercept": self.intercept,
+                "cutoff": self.cutoff, "local_max": self.local_max}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LearnedScore":
+        if not isinstance(d, dict):
+            raise ValueError("learned decision rule: 'learned' must be an object")
+        unknown = set(d) - {"features", "coef", "intercept", "cutoff", "local_max"}
+        if unknown:
+            raise ValueError(f"learned decision rule: unknown field(s) {sorted(unknown)}")
+        missing = {"features", "coef", "intercept", "cutoff"} - set(d)
+        if missing:
+            raise ValueError(f"learned decision rule: missing field(s) {sorted(missing)}")
+        return cls(tuple(d["features"]), tuple(d["coef"]), d["intercept"], d["cutoff"], bool(d.get("local_max", False)))
 
 
 @dataclass(frozen=True)
@@ -63,6 +142,7 @@ class DecisionRule:
     sim_drop: float | None = None
     sim_gate: float | None = None
     sim_local_min: bool = True
+    learned: LearnedScore | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
@@ -83,21 +163,29 @@ class DecisionRule:
             raise ValueError(f"decision rule: sim_window {self.sim_window} must be an integer >= 1")
         if self.sim_drop is not None and not 0.0 <= self.sim_drop <= 2.0:
             raise ValueError(f"decision rule: sim_drop {self.sim_drop} outside [0, 2]")
-        if not self.needs_similarity and (self.sim_gate is not None or self.sim_local_min is not True):
+        if not self.has_sim_dips and (self.sim_gate is not None or self.sim_local_min is not True):
             raise ValueError("decision rule: sim_gate / sim_local_min need a sim_threshold or sim_window")
+        if self.learned is not None and not isinstance(self.learned, LearnedScore):
+            raise ValueError("decision rule: learned must be a LearnedScore")
+        if self.learned is not None and self.has_sim_dips:
+            raise ValueError("decision rule: a learned score replaces the similarity dips; not both")
 
     @property
     def is_plain_threshold(self) -> bool:
         return (self.peak_threshold is None and self.smoothing == 0.0 and self.min_segment == 1
-                and not self.needs_similarity)
+                and not self.needs_similarity and self.learned is None)
+
+    @property
+    def has_sim_dips(self) -> bool:
+        return self.sim_threshold is not None or self.sim_window is not None
 
     @property
     def needs_similarity(self) -> bool:
         """Whether :meth:`boundaries` needs the adjacent cosine sequence beside P(same)."""
-        return self.sim_threshold is not None or self.sim_window is not None
+        return self.has_sim_dips or (self.learned is not None and self.learned.uses_cosine)
 
     def without_similarity(self) -> "DecisionRule":
-        """Steps 1-3 alone: the classifier's own decision, without the similarity dips."""
+        """Steps 1-3 alone: the classifier's own decision, without the similarity dips or a learned score."""
         return DecisionRule(self.threshold, self.peak_threshold, self.smoothing, self.min_segment)
 
     def similarity_dips(self, p_same: Sequence[float], cosine: Sequence[float]) -> np.ndarray:
@@ -138,6 +226,8 @@ class DecisionRule:
                 raise ValueError(f"decision rule {self.describe()!r} needs the adjacent cosine per gap (cosine=)")
             if len(cosine) != len(p_same):
                 raise ValueError(f"decision rule: {len(cosine)} cosines for {len(p_same)} P(same) values")
+        if self.learned is not None:
+            return self.learned.boundaries(p_same, cosine).astype(np.int8)
         q = self.smoothed(p_same)
         n = len(q)
         cand = q < self.threshold
@@ -154,17 +244,23 @@ class DecisionRule:
                 if not kept[lo:hi].any():
                     kept[i] = True
             cand = kept
-        if self.needs_similarity and n:
+        if self.has_sim_dips and n:
             cand = cand | self.similarity_dips(p_same, cosine)
         return cand.astype(np.int8)
 
     def describe(self) -> str:
+        if self.learned is not None:
+            ls = self.learned
+            return (f"boundary when a logistic score over {len(ls.features)} per-gap features "
+                    f"({', '.join(ls.features)}) is above {ls.cutoff:g}"
+                    f"{' and a local maximum' if ls.local_max else ''} "
+                    f"(classifier alone: {self.without_similarity().describe()[len('boundary when '):]})")
         parts = [f"P(same){' smoothed w=%g' % self.smoothing if self.smoothing else ''} < {self.threshold:g}"]
         if self.peak_threshold is not None:
             parts.append(f"or a strict local minimum < {self.peak_threshold:g}")
         if self.min_segment > 1:
             parts.append(f"min segment {self.min_segment}")
-        if self.needs_similarity:
+        if self.has_sim_dips:
             gate = f", P(same) < {self.sim_gate:g}" if self.sim_gate is not None else ""
             lm = " and a strict local minimum" if self.sim_local_min else ""
             low = [f"< {self.sim_threshold:g}"] if self.sim_threshold is not None else []
@@ -175,17 +271,31 @@ class DecisionRule:
 
     def to_json(self) -> dict:
         """Without similarity dips, exactly the v1 JSON (so versions of such artifacts do not move)."""
-        d = asdict(self)
-        if not self.needs_similarity:
+        d = {k: v for k, v in asdict(self).items() if k != "learned"}
+        if self.learned is not None:
+            return {"rule": RULE_NAME_LEARNED, **{k: v for k, v in d.items() if k not in _SIM_FIELDS},
+                    "learned": self.learned.to_json()}
+        if not self.has_sim_dips:
             return {"rule": RULE_NAME, **{k: v for k, v in d.items() if k not in _SIM_FIELDS}}
         return {"rule": RULE_NAME_SIM, **d}
 
     @classmethod
     def from_json(cls, d: dict) -> "DecisionRule":
         name = d.get("rule", RULE_NAME)
-        if name not in (RULE_NAME, RULE_NAME_SIM):
-            raise ValueError(f"unknown decision rule {name!r}; this code applies {RULE_NAME!r} or {RULE_NAME_SIM!r}")
-        known = set(cls.__dataclass_fields__)
+        if name not in (RULE_NAME, RULE_NAME_SIM, RULE_NAME_LEARNED):
+            raise ValueError(f"unknown decision rule {name!r}; this code applies {RULE_NAME!r}, {RULE_NAME_SIM!r} "
+                             f"or {RULE_NAME_LEARNED!r}")
+        if name == RULE_NAME_LEARNED:
+            if "learned" not in d:
+                raise ValueError(f"decision rule {name!r}: the 'learned' block is missing")
+            extra = set(d) & set(_SIM_FIELDS)
+            if extra:
+                raise ValueError(f"decision rule {name!r}: field(s) {sorted(extra)} not allowed")
+            base = cls.from_json({k: v for k, v in d.items() if k != "learned"} | {"rule": RULE_NAME})
+            return replace(base, learned=LearnedScore.from_json(d["learned"]))
+        if "learned" in d:
+            raise ValueError(f"decision rule {name!r}: a 'learned' block needs rule {RULE_NAME_LEARNED!r}")
+        known = set(cls.__dataclass_fields__) - {"learned"}
         unknown = set(d) - known - {"rule", "chosen_on", "selection"}
         if unknown:
             raise ValueError(f"decision rule: unknown field(s) {sorted(unknown)}")
@@ -205,18 +315,6 @@ class DecisionRule:
     def fingerprint(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
 
-
-def neighbour_mean(x: np.ndarray, window: int) -> np.ndarray:
-    """Mean of the up to ``window`` values on each side of each position (itself excluded); a
-    position without neighbours gets its own value (so it is never below its neighbours)."""
-    x = np.asarray(x, dtype=np.float64)
-    n = len(x)
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    i = np.arange(n)
-    lo, hi = np.maximum(0, i - window), np.minimum(n, i + window + 1)
-    cnt = (hi - lo - 1).astype(np.float64)
-    tot = c[hi] - c[lo] - x
-    return np.where(cnt > 0, tot / np.maximum(cnt, 1.0), x)
 
 
 def artifact_version(weights_version: str, rule: DecisionRule) -> str:

@@ -16,6 +16,13 @@ those no worse than the rule without them on TIAGE dev and on each of its 5 fold
 eval are only reported (``metrics`` in the artifact).
 
     python -m qumem_pipeline.episodes.continuity.tune_decoding --sim-dip --write --json
+
+``--learned`` instead replaces the rule by a learned score (decision step 5, :func:`choose_learned`):
+a logistic regression over per-gap features of P(same) and the cosine (:mod:`.gap_features`), the
+feature set, L2 strength and decoding chosen by 5-fold cross-validation inside each of TIAGE dev, OOD
+calib and generated calib (the model fitted on the other folds and the other domains), the cutoff by
+the lowest mean Pk over the three. ``--write`` stores it (a new classifier version); without it the
+command only reports.
 """
 
 from __future__ import annotations
@@ -136,7 +143,8 @@ def versioned_config(config: dict, rule: DecisionRule, selection: dict) -> dict:
     out["version"] = artifact_version(weights_version, rule)
     out["threshold"] = rule.threshold
     out["decision"] = {**rule.to_json(), "selection": selection}
-    chosen_on = "TIAGE dev + OOD calib" if rule.needs_similarity else "TIAGE dev"
+    chosen_on = ("TIAGE dev + OOD calib + generated calib" if rule.learned is not None
+                 else "TIAGE dev + OOD calib" if rule.needs_similarity else "TIAGE dev")
     out["threshold_rule"] = rule.describe() + f"; rule and parameters chosen on {chosen_on} (see decision.selection)"
     return out
 
@@ -210,6 +218,147 @@ def choose_sim_dip(rule: DecisionRule, dev: tuple, calib: tuple, grid: Sequence[
                   "command": "python -m qumem_pipeline.episodes.continuity.tune_decoding --sim-dip --write"}
 
 
+# ---- the learned rule (decision step 5) ------------------------------------------------------
+# Candidate feature sets, smallest first (ties go to the smaller); each is fitted per L2 strength
+# and per decoding (plain cutoff, or a cutoff on local maxima of the score).
+LEARNED_FEATURE_SETS: dict[str, tuple[str, ...]] = {
+    "p+c": ("lp", "c"),
+    "p+c+rel": ("lp", "c", "lp_rel2", "c_rel1", "c_rel2", "c_rel4", "edge"),
+    "p+c+rel+depth": ("lp", "c", "lp_rel2", "lp_rel4", "c_rel1", "c_rel2", "c_rel4", "c_rel8",
+                      "c_depth2", "c_depth4", "lp_depth2", "c_lmin", "lp_lmin", "edge"),
+}
+LEARNED_L2 = (0.1, 1.0, 10.0)
+LEARNED_CUTOFFS = tuple(round(float(t), 2) for t in np.arange(0.05, 0.96, 0.01))
+
+
+def _balanced_fit(parts: Sequence[tuple[np.ndarray, np.ndarray]], l2: float) -> tuple[np.ndarray, float]:
+    """Fit on several domains' (X, y): every domain weighs the same, classes balanced inside each."""
+    from qumem_pipeline.episodes.continuity.gap_features import fit_logistic
+
+    Xs, ys, ws = [], [], []
+    for X, y in parts:
+        if not len(y):
+            continue
+        pos = float(np.clip(y.mean(), 1e-6, 1 - 1e-6))
+        ws.append(np.where(y == 1, 0.5 / pos, 0.5 / (1 - pos)) / len(y))
+        Xs.append(X)
+        ys.append(y)
+    w = np.concatenate(ws)
+    return fit_logistic(np.vstack(Xs), np.concatenate(ys), w * len(w) / len(ws), l2=l2)
+
+
+def _learned_candidates(features, coef, intercept, local_max):
+    from qumem_pipeline.episodes.continuity.decoding import LearnedScore
+
+    return [LearnedScore(tuple(features), tuple(float(x) for x in coef), intercept, t, local_max)
+            for t in LEARNED_CUTOFFS]
+
+
+class _LearnedSets:
+    """Per domain: feature rows per dialogue for one feature set, and the references."""
+
+    def __init__(self, sets: Sequence[tuple], features: Sequence[str]):
+        from qumem_pipeline.episodes.continuity.gap_features import feature_matrix
+
+        self.sets = []
+        for probs, sims, refs in sets:
+            rows = [feature_matrix(features, p, c) for p, c in zip(probs, sims)]
+            self.sets.append((rows, [np.asarray(r, dtype=np.float64) for r in refs]))
+
+    def xy(self, k: int, idx=None):
+        rows, refs = self.sets[k]
+        idx = range(len(rows)) if idx is None else idx
+        return np.vstack([rows[i] for i in idx]), np.concatenate([refs[i] for i in idx])
+
+
+def _decode(score: np.ndarray, cutoff: float, local_max: bool) -> np.ndarray:
+    b = score > cutoff
+    if local_max and len(score):
+        left = np.concatenate([[-np.inf], score[:-1]])
+        right = np.concatenate([score[1:], [-np.inf]])
+        b &= (score >= left) & (score >= right)
+    return b.astype(np.int8)
+
+
+def _fit_and_cut(data: _LearnedSets, train: dict[int, list[int] | None], l2: float, local_max: bool):
+    """Fit on ``train`` (domain -> dialogue indices, None: all), then the cutoff with the lowest mean
+    Pk over those domains (their own dialogues: in-sample, as for every other rule parameter)."""
+    coef, b = _balanced_fit([data.xy(k, idx) for k, idx in train.items()], l2)
+    scored = []
+    for k, idx in train.items():
+        rows, refs = data.sets[k]
+        idx = list(range(len(rows))) if idx is None else idx
+        z = [1.0 / (1.0 + np.exp(-(rows[i] @ coef + b))) for i in idx]
+        scored.append((PkScorer([refs[i] for i in idx]), z))
+    pk = lambda t: float(np.mean([sc([_decode(x, t, local_max) for x in z]) for sc, z in scored]))  # noqa: E731
+    cutoff = min(LEARNED_CUTOFFS, key=lambda t: (round(pk(t), 6), t))
+    return coef, b, float(cutoff)
+
+
+def learned_cv(data: _LearnedSets, l2: float, local_max: bool, n_folds: int = N_FOLDS, seed: int = 0) -> list[float]:
+    """Held-out Pk per domain: each fold of a domain's dialogues scored by a model fitted (and cut)
+    on the domain's other folds plus every other domain whole."""
+    out = []
+    for k, (rows, refs) in enumerate(data.sets):
+        folds = np.random.default_rng(seed).permutation(len(rows)) % n_folds
+        held: list = [None] * len(rows)
+        for f in range(n_folds):
+            train = {j: None for j in range(len(data.sets)) if j != k}
+            train[k] = [i for i in range(len(rows)) if folds[i] != f]
+            coef, b, cut = _fit_and_cut(data, train, l2, local_max)
+            for i in np.flatnonzero(folds == f):
+                held[i] = _decode(1.0 / (1.0 + np.exp(-(rows[i] @ coef + b))), cut, local_max)
+        out.append(PkScorer(refs)([h for h in held]))
+    return out
+
+
+def choose_learned(rule: DecisionRule, sets: Sequence[tuple], names: Sequence[str] | None = None,
+                   feature_sets: dict[str, tuple[str, ...]] | None = None, l2s: Sequence[float] = LEARNED_L2,
+                   n_folds: int = N_FOLDS, seed: int = 0) -> tuple[DecisionRule, dict]:
+    """``rule`` (its steps 1-3 kept as the classifier-alone reference) plus the learned score with
+    the lowest cross-validated Pk, mean over the domains in ``sets`` (each (P(same) per dialogue,
+    cosine per dialogue, references): TIAGE dev, OOD calib, generated calib). Candidates: every
+    feature set x L2 strength x decoding; each one's CV Pk is :func:`learned_cv` (held-out folds of
+    each domain). Ties (to 4 decimals): fewer features, then stronger L2. The winner is then fitted
+    on all of ``sets`` and its cutoff chosen there (lowest mean Pk). Nothing is chosen on TIAGE test
+    or the eval halves."""
+    feature_sets = feature_sets or LEARNED_FEATURE_SETS
+    names = list(names) if names is not None else [f"set{k}" for k in range(len(sets))]
+    base = rule.without_similarity()
+    table = []
+    for fs_name, feats in feature_sets.items():
+        data = _LearnedSets(sets, feats)
+        for l2 in l2s:
+            for local_max in (False, True):
+                cv = learned_cv(data, l2, local_max, n_folds, seed)
+                table.append({"features": fs_name, "l2": l2, "local_max": local_max,
+                              "cv_pk": {n: round(x, 4) for n, x in zip(names, cv)},
+                              "cv_pk_mean": round(float(np.mean(cv)), 4)})
+    order = {n: i for i, n in enumerate(feature_sets)}
+    best = min(table, key=lambda r: (r["cv_pk_mean"], len(feature_sets[r["features"]]), order[r["features"]],
+                                     -r["l2"], r["local_max"]))
+    feats = feature_sets[best["features"]]
+    data = _LearnedSets(sets, feats)
+    coef, b, cut = _fit_and_cut(data, {k: None for k in range(len(sets))}, best["l2"], best["local_max"])
+    from qumem_pipeline.episodes.continuity.decoding import LearnedScore
+
+    learned = LearnedScore(feats, tuple(round(float(x), 6) for x in coef), round(b, 6), cut, best["local_max"])
+    chosen = DecisionRule(base.threshold, base.peak_threshold, base.smoothing, base.min_segment, learned=learned)
+    fitted = [PkScorer(refs)([chosen.boundaries(p, c) for p, c in zip(probs, sims)]) for probs, sims, refs in sets]
+    selection = {
+        "chosen_on": f"{' + '.join(names)} ({n_folds}-fold CV over each domain's dialogues, the model fitted on "
+                     "the other folds and the other domains; lowest mean held-out Pk)",
+        "feature_set": best["features"], "l2": best["l2"], "local_max": best["local_max"],
+        "cv_pk": best["cv_pk"], "cv_pk_mean": best["cv_pk_mean"],
+        "fitted_pk": {n: round(x, 4) for n, x in zip(names, fitted)},
+        "candidates": table,
+        "method": "logistic regression, every domain weighing the same and classes balanced inside each; "
+                  "cutoff: lowest mean Pk over the domains",
+        "command": "python -m qumem_pipeline.episodes.continuity.tune_decoding --learned --write",
+    }
+    return chosen, selection
+
+
 def rule_metrics(rule: DecisionRule, probs, refs, sims=None) -> dict:
     from qumem_pipeline.episodes.metrics import evaluate
 
@@ -262,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--artifact", default=None, help="artifact dir (default: the committed one)")
     ap.add_argument("--sim-dip", action="store_true",
                     help="also choose the similarity dips (step 4) on TIAGE dev + OOD calib")
+    ap.add_argument("--learned", action="store_true",
+                    help="replace the rule by a learned score (step 5) chosen by CV on TIAGE dev + OOD calib + "
+                         "generated calib (implies the similarity signals); --write stores it")
     ap.add_argument("--ood-seed", type=int, default=None, help="OOD set seed (default: the builder's)")
     ap.add_argument("--write", action="store_true", help="store the chosen rule in the artifact's config.json")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -272,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     adir = Path(args.artifact) if args.artifact else DEFAULT_ARTIFACT_DIR
     clf = ContinuityClassifier.load(adir, verify_version=False)  # this tool rewrites the version
     dev_ds = load_tiage("dev")
+    if args.learned:
+        args.sim_dip = True  # the same signals; the learned score replaces the dips below
     if args.sim_dip:
         dev = split_signals(clf, dev_ds)
     else:
@@ -287,9 +441,14 @@ def main(argv: list[str] | None = None) -> int:
 
         calib = split_signals(clf, ood.ood_dialogues("calib", seed=seed))
         gen_calib = split_signals(clf, gen.generated_dialogues("calib", seed=seed))
-        rule, dip = choose_sim_dip(rule, dev, [calib, gen_calib])
-        selection = {**selection, "sim_dip": {**dip, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed,
-                                              "generated_builder": gen.BUILDER_VERSION}}
+        if args.learned:
+            rule, learned = choose_learned(rule, [dev, calib, gen_calib], names=["tiage_dev", "ood_calib", "gen_calib"])
+            selection = {**selection, "learned": {**learned, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed,
+                                                  "generated_builder": gen.BUILDER_VERSION}}
+        else:
+            rule, dip = choose_sim_dip(rule, dev, [calib, gen_calib])
+            selection = {**selection, "sim_dip": {**dip, "ood_builder": ood.BUILDER_VERSION, "ood_seed": seed,
+                                                  "generated_builder": gen.BUILDER_VERSION}}
         evaluated["ood_calib"] = calib
         evaluated["gen_calib"] = gen_calib
     result = {"rule": rule.to_json(), "selection": selection, "version": artifact_version(

@@ -22,7 +22,10 @@ dialogues from templates, joined; its tasks never in ``gen_calib``); ``--calib``
 and ``gen_calib``, the halves that decision parameters may be chosen on (so not clean reports). ``--sim-dip`` re-runs, per classifier, the choice of the
 similarity dips (:func:`~qumem_pipeline.episodes.continuity.tune_decoding.choose_sim_dip`, TIAGE dev
 + OOD calib) on the rule without them, adds it as ``LABEL+sim_dip(rechosen)`` and says whether it
-equals the shipped rule. Last line with ``--json``: one JSON object.
+equals the shipped rule. ``--learned`` adds ``LABEL+learned(rechosen)``: the learned score (decision
+step 5, :func:`~qumem_pipeline.episodes.continuity.tune_decoding.choose_learned`, chosen by CV on
+TIAGE dev + OOD calib + generated calib), with its selection in ``classifiers.LABEL.learned_rechosen``.
+Last line with ``--json``: one JSON object.
 """
 
 from __future__ import annotations
@@ -142,12 +145,12 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
         seed: int = ood.DEFAULT_SEED, device: str | None = None, batch_size: int = 64,
         sets: dict[str, list[Dialogue]] | None = None, dev: list[Dialogue] | None = None,
         classifiers: dict | None = None, embedder=None, sim_dip: bool = False,
-        calib: list[Dialogue] | None = None) -> dict:
+        calib: list[Dialogue] | None = None, learned: bool = False) -> dict:
     """``sets`` / ``dev`` / ``calib`` / ``classifiers`` (label -> loaded classifier) replace the
     defaults (tests). ``sim_dip``: also a ``LABEL+sim_dip(rechosen)`` row per classifier."""
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
     from qumem_pipeline.episodes.continuity.data import load_tiage
-    from qumem_pipeline.episodes.continuity.tune_decoding import choose_sim_dip
+    from qumem_pipeline.episodes.continuity.tune_decoding import choose_learned, choose_sim_dip
     from qumem_pipeline.index.embeddings import Embedder
 
     t0 = time.time()
@@ -157,7 +160,7 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
     dev_cos = adjacent_similarity(dev, embedder)
     sim_thr = choose_sim_threshold(dev_cos, dev)
     cos = {n: adjacent_similarity(ds, embedder) for n, ds in sets.items()}
-    if sim_dip:
+    if sim_dip or learned:
         calib = calib if calib is not None else [sets.get("ood_calib") or ood.ood_dialogues("calib", seed=seed),
                                                  sets.get("gen_calib") or gen.generated_dialogues("calib", seed=seed)]
         if calib and isinstance(calib[0], Dialogue):  # one calibration set given (tests)
@@ -182,13 +185,22 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
         table[label] = scored(rule, signals)
         if rule.needs_similarity:
             table[f"{label}/no_sim_dip"] = scored(rule.without_similarity(), signals)
-        if sim_dip:
+        if sim_dip or learned:
             dev_p, dev_c = classifier_signals(clf, dev, batch_size)
             cal = [(*classifier_signals(clf, c, batch_size), [d.boundaries for d in c]) for c in calib]
-            rechosen, sel = choose_sim_dip(rule, (dev_p, dev_c, [d.boundaries for d in dev]), cal)
+            dev_sig = (dev_p, dev_c, [d.boundaries for d in dev])
+        if sim_dip:
+            rechosen, sel = choose_sim_dip(rule, dev_sig, cal)
             versions[label]["sim_dip_rechosen"] = {**sel, "rule": rechosen.to_json(),
                                                    "equals_shipped_rule": rechosen == rule}
             table[f"{label}+sim_dip(rechosen)"] = scored(rechosen, signals)
+        if learned:
+            names = ["tiage_dev"] + (["ood_calib", "gen_calib"] if len(cal) == 2 else [f"calib{k}" for k in range(len(cal))])
+            rechosen, sel = choose_learned(rule, [dev_sig, *cal], names=names)
+            sel = {k: v for k, v in sel.items() if k != "candidates"} | {"n_candidates": len(sel["candidates"])}
+            versions[label]["learned_rechosen"] = {**sel, "rule": rechosen.to_json(), "describe": rechosen.describe(),
+                                                   "equals_shipped_rule": rechosen == rule}
+            table[f"{label}+learned(rechosen)"] = scored(rechosen, signals)
         del clf
     for name, ds in sets.items():
         refs = [d.boundaries for d in ds]
@@ -207,6 +219,9 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
         print(f"{label}: {v['version']} ({v['describe']})")
         if "sim_dip_rechosen" in v:
             print(f"{label}+sim_dip(rechosen): {v['sim_dip_rechosen']}")
+        if "learned_rechosen" in v:
+            print(f"{label}+learned(rechosen): {v['learned_rechosen']['describe']} "
+                  f"(cv_pk {v['learned_rechosen']['cv_pk']})")
     print(f"minilm_adjacent_sim: boundary when cosine < {sim_thr} (chosen on TIAGE dev)")
     print(format_side_by_side(table, list(sets)))
     sys.stdout.flush()
@@ -228,12 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", action="store_true", help="also report the OOD calibration half")
     ap.add_argument("--sim-dip", action="store_true",
                     help="also a CLASSIFIER+sim_dip(rechosen) row: the similarity dips chosen again on dev + calib")
+    ap.add_argument("--learned", action="store_true",
+                    help="also a CLASSIFIER+learned(rechosen) row: a learned score chosen by CV on dev + both calibs")
     ap.add_argument("--seed", type=int, default=ood.DEFAULT_SEED, help="OOD set seed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
-    run(args.artifact, args.calib, args.json, args.seed, args.device, args.batch_size, sim_dip=args.sim_dip)
+    run(args.artifact, args.calib, args.json, args.seed, args.device, args.batch_size, sim_dip=args.sim_dip,
+        learned=args.learned)
     return 0
 
 
