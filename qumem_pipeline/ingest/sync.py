@@ -4,12 +4,13 @@
 
 1. The manifest (ingest/manifest.py) sorts the archive's files into new, changed, unchanged and
    gone (a stat per file; a hash only where size or mtime moved).
-2. Each new or changed file is read in bounded batches (ingest/stream.py); each batch gets the
-   row rules (validate.check_rows); its candidate rows are spilled to a local scratch directory,
-   split by the table store's own user bucket (contracts/buckets.py; a store bucket is cut in
-   hash pieces only when one bucket of the read is over the memory budget). A read of at most
-   `IN_MEMORY_BYTES` is not spilled: it is held in memory and merged as one group. Spilled parts are
-   buffered per bucket and written per file (few, large Arrow IPC files), read back memory-mapped.
+2. Each new or changed file is read in bounded batches (ingest/stream.py), two files at once
+   (ingest/staging.py); each batch gets the row rules (validate.check_rows); its candidate rows
+   are spilled to a local scratch directory, split by the table store's own user bucket
+   (contracts/buckets.py; a store bucket is cut in hash pieces only when one bucket of the read is
+   over the memory budget). A read of at most `IN_MEMORY_BYTES` is not spilled: it is held in
+   memory, split the same way. Spilled parts are buffered per bucket and written per file (few,
+   large Arrow IPC files), read back memory-mapped.
 3. Spill buckets are merged in groups of whole store buckets whose staged bytes (plus stored
    history) fit `bucket_bytes`, so no step holds more than one group in memory, each store
    partition gets about one new file per run and each commit touches only its group's
@@ -77,8 +78,8 @@ from qumem_pipeline.ingest.manifest import (
     plan_files,
     read_manifest,
 )
-from qumem_pipeline.ingest.stream import (DEFAULT_BATCH_ROWS, DEFAULT_CHUNK_BYTES, RESTART, content_digest,
-                                          content_hasher, read_batches)
+from qumem_pipeline.ingest.staging import Staging
+from qumem_pipeline.ingest.stream import DEFAULT_BATCH_ROWS, DEFAULT_CHUNK_BYTES, RESTART, read_batches
 from qumem_pipeline.ingest.validate import (
     DUPLICATE_REASON_PREFIX,
     KEEP_PREFIX,
@@ -94,13 +95,14 @@ DUPLICATES_TABLE = "turn_duplicates"
 _STORED_ROW_BYTES = 400
 # Scratch bytes of candidate rows per user bucket: the unit of memory of the merge step.
 BUCKET_BYTES = 128 << 20
-# A read of up to this many bytes of files is held in memory and merged as one group (no spill
-# round trip; peak RSS about 2-3x it); a larger read spills by bucket and merges in groups of
+# A read of up to this many bytes of files is held in memory by bucket (no spill round trip; peak
+# RSS about 2-3x it); a larger read spills by bucket. Either way it merges in groups of
 # `bucket_bytes`. A caller that sets `bucket_bytes` (a smaller unit) gets it as this limit too.
 IN_MEMORY_BYTES = 512 << 20
 # Spilled candidates are buffered per bucket and written one Arrow IPC file per bucket when the
-# buffer holds this many bytes or the file ends: few large scratch files (each file costs a fixed
-# open/write/read overhead that 64 buckets x every batch made a third of the spill's CPU).
+# buffers of the files being read hold this many bytes or a file ends: few large scratch files
+# (each costs a fixed open/write/read overhead that 64 buckets x every batch made a third of the
+# spill's CPU). ingest/staging.py.
 SPILL_FLUSH_BYTES = 256 << 20
 _FILE_RANK_STRIDE = 1 << 40  # _pos = file rank * 2^40 + position in file (files of < 10^12 rows)
 PROVENANCE = {"source_file_id": pl.String, "source_row": pl.Int64, "source_pos": pl.Int64, "source_turn_index": pl.Int64}
@@ -208,8 +210,9 @@ class _Sync:
         self.file_stats: dict[str, dict] = {}
         self.lease = None  # the root's ingest lease (storage/lease.py), set by sync_archive
         self.progress = None  # progress(stage, done, total), set by sync_archive
-        self.in_memory: list[pl.DataFrame] = []  # staged rows when everything read fits one bucket
         self.staged_users: list[pl.DataFrame] = []
+        self.staging: Staging | None = None
+        self._keys_lock, self._forgotten_lock = threading.Lock(), threading.Lock()
 
     def run(self, chunk_bytes: int, batch_rows: int, bucket_bytes: int, memory_bytes: int | None = None) -> None:
         read_bytes = sum(f.size for f in self.plan.to_read)
@@ -236,10 +239,10 @@ class _Sync:
             n_users, rebuilt = sum(len(us) for us in users_by_key.values()), 0
             if self.progress is not None:
                 self.progress("users rebuilt", 0, n_users)
-            for keys in self._key_groups(scratch, users_by_key, history, bucket_bytes):
+            for keys in self._key_groups(users_by_key, history, bucket_bytes):
                 users_all = [u for k in keys for u in users_by_key[k]]
                 groups = _groups(users_all, history, max_rows) if len(keys) == 1 or not self.spill else [users_all]
-                staged = self._staged([scratch / f"bucket={k}" for k in keys])
+                staged = self.staging.take(keys, _empty_candidates())
                 for users in groups:
                     mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
                     self._rebuild(users, mine, attributed.filter(pl.col("user_id").is_in(users)))
@@ -259,104 +262,61 @@ class _Sync:
             self.lease.check()
         _write_manifest(self.layout, self.plan, self.file_stats, self.version, keyer=_file_keyer(self.forgotten))
 
-    def _key_groups(self, scratch: Path, users_by_key: dict[int, list[str]], history: dict[str, int],
+    def _key_groups(self, users_by_key: dict[int, list[str]], history: dict[str, int],
                     bucket_bytes: int) -> list[list[int]]:
         """Spill keys (store bucket order) cut into runs whose staged bytes plus stored history
-        stay under `bucket_bytes`: one merge and one commit per table for each run."""
-        if not self.spill:  # everything read is held in memory: one group
-            return [sorted(users_by_key)] if users_by_key else []
-
+        stay under `bucket_bytes`: one merge and one commit per table for each run (held in
+        memory or spilled alike, so each run's writes overlap the next run's merge)."""
         def cost(k: int) -> int:
-            d = scratch / f"bucket={k}"
-            staged = sum(p.stat().st_size for p in d.glob("*.arrow")) if d.exists() else 0
-            return staged + _STORED_ROW_BYTES * sum(history.get(u, 0) for u in users_by_key[k])
+            return self.staging.cost(k) + _STORED_ROW_BYTES * sum(history.get(u, 0) for u in users_by_key[k])
 
         return _pack(sorted(users_by_key), cost, bucket_bytes)
 
     # --- 2. read, check, spill -------------------------------------------------------------
     def _stage(self, scratch: Path, chunk_bytes: int, batch_rows: int) -> pl.DataFrame:
-        """Read every new/changed file once; spill candidates by bucket; return the quarantine rows."""
+        """Read every new/changed file once, several at once (ingest/staging.py); stage candidates
+        by spill key (spilled, or held in memory); return the quarantine rows, in archive order."""
+        self.staging = Staging(scratch, self.spill, self._prepare, self._keys, SPILL_FLUSH_BYTES)
         quarantine = []
-        part = 0
-        buffered: dict[int, list[pl.DataFrame]] = {}  # spill key -> this file's chunks not yet written
-        buffered_bytes = 0
-
-        def flush(file_parts: list[Path]) -> None:
-            """The buffered chunks out, one file per spill key (written only with this file's rows,
-            so a restart of the file deletes exactly its own parts)."""
-            nonlocal part, buffered_bytes
-            for b, chunks in buffered.items():
-                d = scratch / f"bucket={b}"
-                d.mkdir(exist_ok=True)
-                # Arrow IPC, uncompressed: local scratch read back once; ~15x cheaper to write than Parquet here
-                pl.concat(chunks, how="vertical", rechunk=False).write_ipc(d / f"part-{part:06d}.arrow")
-                file_parts.append(d / f"part-{part:06d}.arrow")
-                part += 1
-            buffered.clear()
-            buffered_bytes = 0
-
         if self.progress is not None:
             self.progress("archive files read", 0, len(self.plan.to_read))
-        for f in self.plan.to_read:
-            hasher = content_hasher()
-            pos = rows = bad = 0
-            file_q, file_users = len(quarantine), len(self.staged_users)
-            file_parts: list[Path] = []
-            file_mem = len(self.in_memory)
-            for batch in read_batches(f.path, f.format, chunk_bytes=chunk_bytes, batch_rows=batch_rows, hasher=hasher,
-                                      reader=self.reader):
-                if batch is RESTART:  # the fast reader gave up: forget what it staged for this file
-                    for p in file_parts:
-                        p.unlink()
-                    buffered.clear()
-                    buffered_bytes = 0
-                    del self.in_memory[file_mem:]
-                    quarantine = quarantine[:file_q]
-                    self.staged_users = self.staged_users[:file_users]
-                    pos = rows = bad = 0
-                    file_parts = []
-                    continue
-                n = batch.raw.height
-                good, q = check_rows(batch, max_text_chars=self.cfg.max_text_chars, now=self.now, pos_offset=pos)
-                pos += n
-                q = self._not_forgotten(q.drop("_parse"))
-                if self.cfg.strict:
-                    raise_if_bad(q)
-                quarantine.append(q)
-                bad += q.height
-                good = self._not_forgotten(good).with_columns(
-                    **{KEEP_PREFIX + "source_file_id": pl.lit(f.file_id),
-                       KEEP_PREFIX + "source_row": pl.col("source_row"),
-                       KEEP_PREFIX + "source_pos": pl.col("_pos"),
-                       KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
-                )
-                rows += good.height
-                self.staged_users.append(good.select(pl.col("user_id").unique()))
-                if not self.spill:  # all of it is one group's worth: no spill
-                    self.in_memory.append(good)
-                    continue
-                good = good.with_columns(_bucket=self._keys(good["user_id"]))
-                for (b,), chunk in good.partition_by("_bucket", as_dict=True).items():
-                    buffered.setdefault(b, []).append(chunk.drop("_bucket"))
-                buffered_bytes += good.estimated_size()
-                if buffered_bytes >= SPILL_FLUSH_BYTES:
-                    flush(file_parts)
-            flush(file_parts)
-            self.file_stats[f.file_id] = {"sha256": content_digest(hasher), "rows": rows, "quarantined": bad}
+        for f, staged in self.staging.files(list(enumerate(self.plan.to_read)), chunk_bytes=chunk_bytes,
+                                            batch_rows=batch_rows, reader=self.reader):
+            quarantine += staged.quarantine
+            self.staged_users += staged.users
+            self.file_stats[f.file_id] = {"sha256": staged.digest, "rows": staged.rows, "quarantined": staged.bad}
             self.report.files_read += 1
-            self.report.rows_read += rows
+            self.report.rows_read += staged.rows
             if self.progress is not None:
                 self.progress("archive files read", self.report.files_read, len(self.plan.to_read))
-            self.report.quarantined_read += bad
+            self.report.quarantined_read += staged.bad
         return pl.concat(quarantine, how="vertical") if quarantine else pl.DataFrame(schema=QUARANTINE_POLARS_SCHEMA)
+
+    def _prepare(self, batch, f, pos: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """One batch of file `f` through the row rules: (candidates with provenance, quarantine)."""
+        good, q = check_rows(batch, max_text_chars=self.cfg.max_text_chars, now=self.now, pos_offset=pos)
+        q = self._not_forgotten(q.drop("_parse"))
+        if self.cfg.strict:
+            raise_if_bad(q)
+        good = self._not_forgotten(good).with_columns(
+            **{KEEP_PREFIX + "source_file_id": pl.lit(f.file_id),
+               KEEP_PREFIX + "source_row": pl.col("source_row"),
+               KEEP_PREFIX + "source_pos": pl.col("_pos"),
+               KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
+        ).with_columns(_pos=pl.col("_pos") + self.rank[f.file_id] * _FILE_RANK_STRIDE)
+        return good, q
 
     def _keys(self, users: pl.Series) -> pl.Series:
         """Spill key of each row's user: store bucket * n_sub + a hash piece of it."""
         cache = self._bucket_of
-        fresh = [u for u in users.unique().to_list() if u not in cache]
-        for u in fresh:
-            cache[u] = user_bucket(u, self.n_store)
-        store = users.replace_strict(cache, return_dtype=pl.Int64)
+        with self._keys_lock:  # files are read on several threads (ingest/staging.py)
+            mine = {}
+            for u in users.unique().to_list():
+                b = cache.get(u)
+                if b is None:
+                    b = cache[u] = user_bucket(u, self.n_store)
+                mine[u] = b
+        store = users.replace_strict(mine, return_dtype=pl.Int64)
         if self.n_sub == 1:
             return store.alias("_bucket")
         return (store * self.n_sub + (users.hash(seed=0) % self.n_sub).cast(pl.Int64)).alias("_bucket")
@@ -364,7 +324,8 @@ class _Sync:
     def _not_forgotten(self, df: pl.DataFrame) -> pl.DataFrame:
         if self.forgotten is None or not len(self.forgotten) or df.height == 0:
             return df
-        gone = [u for u in df["user_id"].drop_nulls().unique().to_list() if self.forgotten.contains(u)]
+        with self._forgotten_lock:  # files are read on several threads (ingest/staging.py)
+            gone = [u for u in df["user_id"].drop_nulls().unique().to_list() if self.forgotten.contains(u)]
         return df.filter(pl.col("user_id").is_null() | ~pl.col("user_id").is_in(gone)) if gone else df
 
     def _affected_users(self, new_q: pl.DataFrame) -> dict[int, list[str]]:
@@ -383,21 +344,18 @@ class _Sync:
         return {b: sorted(g["user_id"].to_list()) for (b,), g in users.partition_by("_b", as_dict=True).items()}
 
     # --- 3. rebuild the affected users of one bucket ------------------------------------------
-    def _staged(self, staged_dirs: list[Path]) -> pl.DataFrame:
-        """One group's staged candidates (spilled, or held when all of it was one group)."""
-        parts = [_empty_candidates()] + self.in_memory
-        self.in_memory = []
-        for d in staged_dirs:
-            if d.exists():
-                parts += [_read_spilled(p) for p in sorted(d.glob("*.arrow"))]
-        return pl.concat(parts, how="diagonal_relaxed", rechunk=True)  # a chunked frame sorts/gathers ~2x slower
-
     def _stored_rows(self, users: list[str]) -> dict[str, int]:
         """Rows each affected user already has in the tables (their fingerprint's n_turns)."""
         if not users or not self.plan.old:
             return {}
         fp = self.layout.read_table("fingerprints", users)
         return {} if fp is None else dict(fp.select("user_id", "n_turns").iter_rows())
+
+    def _source_order(self) -> pl.Expr:
+        """`_pos` of a candidate: its file's rank in the archive, then its position in the file
+        (staged rows get it as they are read, stored rows as they are merged back)."""
+        return (pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE
+                + pl.col(KEEP_PREFIX + "source_pos"))
 
     def _rebuild(self, users: list[str], staged: pl.DataFrame, new_q: pl.DataFrame) -> None:
         t = time.perf_counter()
@@ -407,11 +365,9 @@ class _Sync:
             with self._store_lock:  # table handles are not shared across threads mid-call
                 stored_turns = self.layout.read_table("turns", users)
                 stored_dups = self.layout.read_table(DUPLICATES_TABLE, users)
-            parts += [_turns_to_candidates(self._kept(stored_turns)), _duplicates_to_candidates(self._kept(stored_dups))]
-        candidates = pl.concat([_empty_candidates()] + [p for p in parts if p is not None], how="diagonal_relaxed").with_columns(
-            _pos=(pl.col(KEEP_PREFIX + "source_file_id").replace_strict(self.rank, return_dtype=pl.Int64) * _FILE_RANK_STRIDE)
-            + pl.col(KEEP_PREFIX + "source_pos")
-        )
+            stored = [_turns_to_candidates(self._kept(stored_turns)), _duplicates_to_candidates(self._kept(stored_dups))]
+            parts += [p.with_columns(_pos=self._source_order()) for p in stored if p is not None]
+        candidates = pl.concat([_empty_candidates()] + parts, how="diagonal_relaxed")
         turns, dups, dup_q = merge_candidates(candidates)
         if self.cfg.strict:
             raise_if_bad(dup_q)
@@ -561,15 +517,6 @@ def _appendable(users: list[str], turns: pl.DataFrame, stored: pl.DataFrame | No
     tail = tail.filter(pl.col("turn_index") >= pl.col("_n")).drop("_n")
     rest = [u for u in users if u not in good]
     return tail, rest
-
-
-def _read_spilled(path: Path) -> pl.DataFrame:
-    """A spilled part, memory-mapped (pyarrow's IPC reader, zero-copy into polars): ~6x less CPU than
-    `pl.read_ipc`, which copies every buffer. The map lives as long as a frame holds its buffers."""
-    import pyarrow as pa
-    import pyarrow.ipc
-
-    return pl.from_arrow(pa.ipc.open_file(pa.memory_map(str(path))).read_all())
 
 
 def _store_buckets(layout) -> int:

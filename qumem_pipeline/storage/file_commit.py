@@ -23,6 +23,7 @@ import json
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import polars as pl
@@ -33,6 +34,8 @@ from deltalake.transaction import AddAction, create_table_with_add_actions
 # zstd level 1: between zstd's default level (smaller files, more CPU) and snappy (less CPU, larger
 # files); bench/ingest.py `writers` compares the resulting write with delta-rs' writer.
 CODEC, CODEC_LEVEL = "zstd", 1
+# Files of one write encoded at once (write_files).
+ENCODE_THREADS = max(1, min(4, os.cpu_count() or 2))
 
 
 def fast_path_ok(schema: pl.Schema) -> bool:
@@ -74,41 +77,48 @@ def may_hold(dt: DeltaTable | None, users_by_bucket: dict[int, list[str]], key: 
 
 
 def write_files(df: pl.DataFrame, fs: pafs.FileSystem, table_path: str, *, key: str, bucket: str,
-                row_group_rows: int, target_file_bytes: int) -> list[AddAction]:
+                row_group_rows: int, target_file_bytes: int, threads: int | None = None) -> list[AddAction]:
     """One Parquet file (or more, for a partition over `target_file_bytes` in memory) per bucket of
-    `df`, under `table_path`; the add actions that name them."""
-    adds = []
-    local = isinstance(fs, pafs.LocalFileSystem)
+    `df`, under `table_path`; the add actions that name them, in bucket order. The files are
+    encoded on `threads` threads (ENCODE_THREADS; polars' Parquet writer releases the GIL): the
+    encoding is most of a write's CPU, and one thread left a core idle."""
+    pieces = []
     for (b,), part in df.partition_by(bucket, as_dict=True, maintain_order=True).items():
         part = part.drop(bucket)
-        pieces = max(1, -(-int(part.estimated_size()) // max(1, target_file_bytes)))
-        step = -(-part.height // pieces)
-        for i in range(pieces):
-            piece = part.slice(i * step, step)
-            if piece.height == 0:
-                continue
-            rel = f"{bucket}={b}/part-{i:05d}-{uuid.uuid4()}-c000.{CODEC}.parquet"
-            path = f"{table_path}/{rel}"
-            if local:  # staged as <name>#q like delta-rs (`<name>#N`): a data file name is always complete
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                staging = f"{path}#q"
-                piece.write_parquet(staging, compression=CODEC, compression_level=CODEC_LEVEL,
-                                    row_group_size=row_group_rows, statistics=True)
-                os.replace(staging, path)
-                size = os.path.getsize(path)
-            else:
-                buf = io.BytesIO()
-                piece.write_parquet(buf, compression=CODEC, compression_level=CODEC_LEVEL,
-                                    row_group_size=row_group_rows, statistics=True)
-                data = buf.getvalue()
-                with fs.open_output_stream(path) as out:
-                    out.write(data)
-                size = len(data)
-            keys = piece.get_column(key)
-            stats = {"numRecords": piece.height, "minValues": {key: keys.min()}, "maxValues": {key: keys.max()},
-                     "nullCount": {key: keys.null_count()}}
-            adds.append(AddAction(rel, size, {bucket: str(b)}, int(time.time() * 1000), True, json.dumps(stats)))
-    return adds
+        n = max(1, -(-int(part.estimated_size()) // max(1, target_file_bytes)))
+        step = -(-part.height // n)
+        pieces += [(b, i, piece) for i in range(n) if (piece := part.slice(i * step, step)).height]
+    local = isinstance(fs, pafs.LocalFileSystem)
+
+    def one(item) -> AddAction:
+        b, i, piece = item
+        rel = f"{bucket}={b}/part-{i:05d}-{uuid.uuid4()}-c000.{CODEC}.parquet"
+        path = f"{table_path}/{rel}"
+        if local:  # staged as <name>#q like delta-rs (`<name>#N`): a data file name is always complete
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            staging = f"{path}#q"
+            piece.write_parquet(staging, compression=CODEC, compression_level=CODEC_LEVEL,
+                                row_group_size=row_group_rows, statistics=True)
+            os.replace(staging, path)
+            size = os.path.getsize(path)
+        else:
+            buf = io.BytesIO()
+            piece.write_parquet(buf, compression=CODEC, compression_level=CODEC_LEVEL,
+                                row_group_size=row_group_rows, statistics=True)
+            data = buf.getvalue()
+            with fs.open_output_stream(path) as out:
+                out.write(data)
+            size = len(data)
+        keys = piece.get_column(key)
+        stats = {"numRecords": piece.height, "minValues": {key: keys.min()}, "maxValues": {key: keys.max()},
+                 "nullCount": {key: keys.null_count()}}
+        return AddAction(rel, size, {bucket: str(b)}, int(time.time() * 1000), True, json.dumps(stats))
+
+    threads = ENCODE_THREADS if threads is None else threads
+    if threads <= 1 or len(pieces) < 2:
+        return [one(p) for p in pieces]
+    with ThreadPoolExecutor(max_workers=min(threads, len(pieces)), thread_name_prefix="qumem-parquet") as pool:
+        return list(pool.map(one, pieces))
 
 
 def commit_new_table(uri: str, schema, adds: list[AddAction], *, partition_by: list[str], description: str,
