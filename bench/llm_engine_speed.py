@@ -11,16 +11,21 @@ measured on the same machine in the same run (same dtype, float32; same thread c
 Workload: the decomposition prompts of the example archive's sessions (the stage's own requests,
 `decompose_requests`, schema-constrained as the stage sends them).
 - prefill: `--prompts` prompts, each with one output token, prefix reuse off (every prompt token computed).
-- decode: `--decode-requests` requests through the engine's continuous batch of `--batch-size` rows
-  (the pipeline's configured batch, `LLMResource.batch_size`), each cut at `--decode-tokens` tokens, so the
-  batch stays full as it is in a run over the archive; decode seconds are the decode steps' wall time
-  (forward, grammar masking, eviction), prefill excluded.
+- decode: the example archive's decomposition requests (all of them by default, `--decode-requests` fewer: what
+  the main job sends the engine in one stream) through the engine's continuous batch of `--batch-size` rows (the
+  pipeline's configured batch, `LLMResource.batch_size`), an episode's three calls sharing their prefix's KV as
+  in a run, each cut at `--decode-tokens` tokens so the batch stays full as it is in a run over the archive;
+  decode seconds are the decode steps' wall time (forward, grammar masking, eviction), prefill excluded.
 - model work (FLOPs): 2 x the parameters of every matmul a token goes through (the LM head only where
   logits are taken) + 4 x layers x query heads x head dim per attended key (`_LeanLM` counts them).
 - matmul reference: `matmul_gflops`, float32 1024x1024 @ 1024x1024, best of repeats, measured before and after
   each engine phase (the mean of the two is the phase's reference, so a box whose load changes shows it);
   `matmul_decode_shaped_gflops` is the decode-shaped B x hidden @ hidden x intermediate product.
 prefill_roofline_ratio / decode_roofline_ratio (top level, embedded model) = engine GFLOP/s / matmul GFLOP/s.
+prefill_cpu_roofline_ratio / decode_cpu_roofline_ratio: the same in GFLOP per CPU second (the engine's process CPU
+time over its phase, the matmul's over all its repeats, not the best): on a box shared with other jobs, wall seconds
+include the time the engine was descheduled, and a best-of-repeats reference picks the matmul's quietest moment.
+load_avg_start / load_avg_end: the box's load average, to state with the figures.
 
 Optional comparisons (the evaluation model, when installed): `--vllm` runs vLLM's CPU engine (needs the vLLM venv:
 QUMEM_VLLM_PYTHON or --vllm-python), `--llamacpp-python PY` llama.cpp on the GGUF the model ships as:
@@ -174,17 +179,27 @@ def matmul_gflops(m: int, k: int, n: int, seconds: float = 0.6, repeats: int = 3
 
     import torch
 
+    return matmul_rates(m, k, n, seconds, repeats)[0]
+
+
+def matmul_rates(m: int, k: int, n: int, seconds: float = 0.6, repeats: int = 3) -> tuple[float, float]:
+    """(best of `repeats` wall GFLOP/s, GFLOP per CPU second over all repeats) of the same matmul."""
+    import time
+
+    import torch
+
     a, b = torch.randn(m, k), torch.randn(k, n)
     out = torch.empty(m, n)
     torch.matmul(a, b, out=out)
-    best = 0.0
+    best, total, c0 = 0.0, 0, time.process_time()
     for _ in range(repeats):
         t0, done = time.perf_counter(), 0
         while time.perf_counter() - t0 < seconds / repeats or done < 2:
             torch.matmul(a, b, out=out)
             done += 1
         best = max(best, 2 * m * k * n * done / (time.perf_counter() - t0) / 1e9)
-    return best
+        total += done
+    return best, 2 * m * k * n * total / max(time.process_time() - c0, 1e-9) / 1e9
 
 
 def local_engine(model_dir: Path, args) -> dict:
@@ -209,8 +224,12 @@ def local_engine(model_dir: Path, args) -> dict:
         r.max_tokens = 4
     be.generate(warm)
 
+    cpu_refs: list[float] = []
+
     def ref() -> float:
-        return matmul_gflops(1024, 1024, 1024)
+        best, per_cpu = matmul_rates(1024, 1024, 1024)
+        cpu_refs.append(per_cpu)
+        return best
 
     # prefill: every prompt token computed (no prefix reuse), one output token each
     before = ref()
@@ -230,9 +249,12 @@ def local_engine(model_dir: Path, args) -> dict:
                       "tok_per_s": st["prefill_tokens"] / st["prefill_s"], "gflops": st["prefill_flops"] / st["prefill_s"] / 1e9,
                       "matmul_gflops_before_after": [before, after]}
     out["prefill"]["roofline_ratio"] = out["prefill"]["gflops"] / mm_prefill
+    # the same in CPU seconds (engine's process CPU time; matmul's over all its repeats): steadier on a shared box
+    out["prefill"]["cpu_roofline_ratio"] = st["prefill_flops"] / st["prefill_cpu_s"] / 1e9 / (sum(cpu_refs) / len(cpu_refs))
+    cpu_refs.clear()
 
     # decode: the archive's requests through the engine's batch, each cut at --decode-tokens
-    dec = reqs[: args.decode_requests]
+    dec = reqs[: args.decode_requests] if args.decode_requests else reqs
     for r in dec:
         r.max_tokens = args.decode_tokens
     before = ref()
@@ -252,8 +274,11 @@ def local_engine(model_dir: Path, args) -> dict:
                      "gflops": st["decode_flops"] / st["decode_s"] / 1e9, "matmul_gflops_before_after": [before, after],
                      "matmul_decode_shaped_gflops": (shaped_before + shaped_after) / 2,
                      "completion_tokens": sum(r.completion_tokens for r in res),
+                     "prompt_tokens": sum(r.prompt_tokens for r in res), "prompt_tokens_computed": st["prefill_tokens"],
                      "calls_per_s": len(res) / wall}
     out["decode"]["roofline_ratio"] = out["decode"]["gflops"] / mm_decode
+    out["decode"]["cpu_s"] = st["decode_cpu_s"]
+    out["decode"]["cpu_roofline_ratio"] = st["decode_flops"] / st["decode_cpu_s"] / 1e9 / (sum(cpu_refs) / len(cpu_refs))
     out["decode"]["decode_shaped_ratio"] = out["decode"]["gflops"] / out["decode"]["matmul_decode_shaped_gflops"]
     out["matmul_gflops"] = (mm_prefill + mm_decode) / 2
     be.close()
@@ -270,7 +295,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="vLLM's dtype (the embedded engine runs float32)")
     ap.add_argument("--prompts", type=int, default=12, help="decomposition prompts prefilled")
     ap.add_argument("--batch-size", type=int, default=None, help="embedded engine's batch (default: the pipeline's)")
-    ap.add_argument("--decode-requests", type=int, default=None, help="embedded decode: requests (default 2 x batch)")
+    ap.add_argument("--decode-requests", type=int, default=None,
+                    help="embedded decode: the first N of the archive's requests (default all: the main job's stream)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-batch", type=int, default=16, help="vLLM decode: sequences at once")
@@ -285,28 +311,30 @@ def main() -> int:
         from resources.models import LLMResource
 
         args.batch_size = LLMResource.model_fields["batch_size"].default
-    if args.decode_requests is None:
-        args.decode_requests = 2 * args.batch_size
     model_dir = Path(args.model)
     if not (model_dir / "config.json").exists():
         print(f"no model at {model_dir}: .venv/bin/python scripts/install_llm_model.py (embedded) or "
               "scripts/install_eval_model.py (evaluation model)", file=sys.stderr)
         return 2
-    result: dict = {"cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(), "model": model_dir.name}
+    result: dict = {"cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(), "model": model_dir.name,
+                    "load_avg_start": list(os.getloadavg())}
     if not args.no_local:
         local = local_engine(model_dir, args)
         result["local"] = local
         result["matmul_gflops"] = local["matmul_gflops"]
         result["prefill_roofline_ratio"] = local["prefill"]["roofline_ratio"]
         result["decode_roofline_ratio"] = local["decode"]["roofline_ratio"]
+        result["prefill_cpu_roofline_ratio"] = local["prefill"]["cpu_roofline_ratio"]
+        result["decode_cpu_roofline_ratio"] = local["decode"]["cpu_roofline_ratio"]
         p, d = local["prefill"], local["decode"]
         print(f"CPU flags {result['cpu_flags']}; {local['threads']} threads, float32; "
               f"matmul {local['matmul_gflops']:.1f} GFLOP/s (1024^3), decode-shaped {d['matmul_decode_shaped_gflops']:.1f}")
         print(f"prefill: {p['prompts']} prompts, {p['tokens']} tokens, {p['tok_per_s']:.0f} tok/s, {p['gflops']:.1f} GFLOP/s, "
-              f"roofline ratio {p['roofline_ratio']:.2f}")
+              f"roofline ratio {p['roofline_ratio']:.2f} (in CPU seconds {p['cpu_roofline_ratio']:.2f})")
         print(f"decode:  {d['requests']} requests, batch {d['mean_batch']:.1f}, {d['tok_per_s']:.0f} tok/s, "
-              f"{d['gflops']:.1f} GFLOP/s, roofline ratio {d['roofline_ratio']:.2f} (grammar {d['grammar_s']:.1f} s "
-              f"of {d['engine_s']:.1f} s)")
+              f"{d['gflops']:.1f} GFLOP/s, roofline ratio {d['roofline_ratio']:.2f} (in CPU seconds "
+              f"{d['cpu_roofline_ratio']:.2f}; grammar {d['grammar_s']:.1f} s of {d['engine_s']:.1f} s)")
+    result["load_avg_end"] = list(os.getloadavg())
     if args.vllm or args.llamacpp_python:
         if not compare_engines(model_dir, args, result):
             return 2

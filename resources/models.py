@@ -73,7 +73,7 @@ class LLMResource(dg.ConfigurableResource):
     max_concurrency: int = 64
     timeout_s: float = 0.0  # fixed overall bound per request; 0 = derived (qumem_pipeline/llm/timeouts.py, QUMEM_LLM_TIMEOUT_S)
     max_tokens: int = 384
-    batch_size: int = 8  # local only
+    batch_size: int = 32  # local only: rows decoded together (a decode step reads every weight once for all of them)
     vllm_python: str = ""  # vllm-managed: python of the venv that has vLLM ("" = this one)
 
     _backend: Any = PrivateAttr(default=None)

@@ -74,3 +74,32 @@ def test_batched_and_one_at_a_time_always_parse(local):
 def test_max_tokens_cut_is_a_length_error(local):
     (res,) = local.generate([ChatRequest("cut", [{"role": "user", "content": "List facts."}], json_schema=memory_schema(), max_tokens=4)])
     assert res.parsed is None and res.error_kind == "length" and res.finish_reason == "length"
+
+
+def test_engine_greedy_matches_transformers(local):
+    """The engine's own decoder (prefix groups, shared-prefix attention, continuous batching) against
+    transformers' forward of the same model: every token the engine chose is transformers' grammar-masked
+    argmax at that position (or within float rounding of it)."""
+    import torch
+    import xgrammar as xgr
+
+    from qumem_pipeline.memories.decompose import decompose_requests
+
+    other = {**EPISODE, "episode_id": "alice-e1",
+             "turns": [{**EPISODE["turns"][0], "turn_index": 9, "text": "I am learning Spanish on weekday evenings."}]}
+    reqs = decompose_requests([EPISODE, other], max_tokens=12)  # two groups of three sharing a prefix
+    rows = local._rows(reqs)
+    finished = []
+    local._run(rows, finished.append)
+    assert len(finished) == 6 and sum(r.cached > 0 for r in finished) >= 4  # each episode's later calls
+    for r in finished:
+        with torch.inference_mode():
+            logits = local.model(torch.tensor([r.prompt + r.tokens])).logits[0, len(r.prompt) - 1:]
+        matcher = xgr.GrammarMatcher(local._compile(r.req.decoding_schema))
+        mask = xgr.allocate_token_bitmask(1, local.vocab_size)
+        for i, tok in enumerate(r.tokens):
+            row = logits[i: i + 1, : local.vocab_size].float().clone()
+            matcher.fill_next_token_bitmask(mask)
+            xgr.apply_token_bitmask_inplace(row, mask)
+            assert row[0, tok] >= row.max() - 1e-3, (r.req.request_id, i)
+            assert matcher.accept_token(tok)

