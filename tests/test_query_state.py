@@ -164,21 +164,3 @@ def test_future_candidates_from_a_broken_retriever_are_refused():
 
     with pytest.raises(AssertionError, match="after as_of"):
         infer_user_states([Query("q1", "alice", "x", 10)], ScriptedLLM(GOOD), Leaky(MEMS))
-
-
-def test_repeated_state_items_are_kept_once_with_their_citations_joined():
-    """A small model fills maxItems with one line three times: the state keeps it once."""
-    from qumem_pipeline.query.strategies.base import resolve_citations
-
-    cands = MEMS["alice"]
-    state = {"facts": [{"statement": "Alice is vegan.", "memory_ids": ["M2"]},
-                       {"statement": "alice  is VEGAN.", "memory_ids": ["M1", "M2"]},
-                       {"statement": "Alice is vegan.", "memory_ids": ["M7"]},
-                       {"statement": "Alice eats out.", "memory_ids": []}],
-             "preference_trajectory": [], "insights": [{"insight": "Alice is vegan.", "memory_ids": ["M1"]}]}
-    out, cited, dropped = resolve_citations(state, cands)
-    assert out["facts"] == [{"statement": "Alice is vegan.", "memory_ids": ["m-vegan", "m-veg"]},
-                            {"statement": "Alice eats out.", "memory_ids": []}]
-    # sections are separate: the same words as an insight stay an insight
-    assert out["insights"] == [{"insight": "Alice is vegan.", "memory_ids": ["m-veg"]}]
-    assert cited == ["m-vegan", "m-veg"] and dropped == 1

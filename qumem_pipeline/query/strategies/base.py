@@ -190,24 +190,14 @@ def render_candidates(cands: list[RetrievedMemory]) -> str:
     return "Retrieved memories (oldest first):\n" + "\n".join(lines)
 
 
-def _item_text_key(item: dict) -> tuple:
-    """An item's words apart from its citations, case and spacing folded: what makes two items one."""
-    return tuple(sorted((k, " ".join(str(v).split()).lower()) for k, v in item.items() if k != "memory_ids"))
-
-
 def resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict, list[str], int]:
-    """Replace aliases (M3) with memory ids; drop citations of anything not retrieved.
-
-    Items of a section that say the same thing are kept once with their citations joined: small
-    models repeat a line to fill ``maxItems``, and a state that lists one fact three times tells
-    the answer step nothing more."""
+    """Replace aliases (M3) with memory ids; drop citations of anything not retrieved."""
     alias = {f"M{i}": c.memory_id for i, c in enumerate(cands, start=1)}
     cited: list[str] = []
     dropped = 0
     out: dict[str, list] = {}
     for section in ("facts", "preference_trajectory", "insights"):
-        items: list[dict] = []
-        seen: dict[tuple, dict] = {}
+        items = []
         for item in state.get(section, []) or []:
             ids = []
             for a in item.get("memory_ids", []) or []:
@@ -216,13 +206,8 @@ def resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict, 
                     dropped += 1
                 elif mid not in ids:
                     ids.append(mid)
+            items.append({**item, "memory_ids": ids})
             cited.extend(ids)
-            key = _item_text_key(item)
-            if key in seen:
-                seen[key]["memory_ids"].extend(m for m in ids if m not in seen[key]["memory_ids"])
-                continue
-            seen[key] = {**item, "memory_ids": ids}
-            items.append(seen[key])
         out[section] = items
     return out, list(dict.fromkeys(cited)), dropped
 
