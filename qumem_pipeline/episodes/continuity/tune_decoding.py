@@ -247,13 +247,6 @@ def _balanced_fit(parts: Sequence[tuple[np.ndarray, np.ndarray]], l2: float) -> 
     return fit_logistic(np.vstack(Xs), np.concatenate(ys), w * len(w) / len(ws), l2=l2)
 
 
-def _learned_candidates(features, coef, intercept, local_max):
-    from qumem_pipeline.episodes.continuity.decoding import LearnedScore
-
-    return [LearnedScore(tuple(features), tuple(float(x) for x in coef), intercept, t, local_max)
-            for t in LEARNED_CUTOFFS]
-
-
 class _LearnedSets:
     """Per domain: feature rows per dialogue for one feature set, and the references."""
 
