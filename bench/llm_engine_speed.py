@@ -213,10 +213,10 @@ def local_engine(model_dir: Path, args) -> dict:
     from qumem_pipeline.memories.decompose import decompose_requests
 
     eps = archive_episodes()
-    be = LocalBackend(model_dir=str(model_dir), batch_size=args.batch_size)
+    be = LocalBackend(model_dir=str(model_dir), batch_size=args.batch_size, speculate=args.speculate)
     eng = be.engine
     reqs = decompose_requests(eps, max_tokens=384)
-    out: dict = {"model": model_dir.name, "dtype": "float32", "threads": torch.get_num_threads(),
+    out: dict = {"model": model_dir.name, "dtype": "float32", "threads": torch.get_num_threads(), "speculate": be.speculate,
                  "batch_size": args.batch_size, "model_gflop_per_token": (eng.linear_flops + eng.head_flops) / 1e9}
     # warm-up (allocator, grammar compile, rotary table)
     warm = decompose_requests(eps[:1], max_tokens=384, types=("fact",))
@@ -268,6 +268,7 @@ def local_engine(model_dir: Path, args) -> dict:
     shaped_after = matmul_gflops(args.batch_size, eng.d, eng.inter)
     mm_decode = (before + after) / 2
     out["decode"] = {"requests": len(dec), "tokens": st["decode_tokens"], "steps": st["decode_steps"],
+                     "fed_tokens": st["decode_fed_tokens"],  # kept + drafts that were not (the FLOPs count only kept)
                      "mean_batch": st["decode_tokens"] / max(1, st["decode_steps"]), "wall_s": wall,
                      "engine_s": st["decode_s"], "forward_s": st["decode_forward_s"],
                      "grammar_s": st["grammar_s"], "tok_per_s": st["decode_tokens"] / st["decode_s"],
@@ -300,6 +301,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-batch", type=int, default=16, help="vLLM decode: sequences at once")
+    ap.add_argument("--speculate", type=int, default=None,
+                    help="embedded engine's drafted tokens per row and step (default: the pipeline's; 0: none)")
     ap.add_argument("--no-local", action="store_true", help="skip the embedded engine")
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU engine (needs --vllm-python)")
     ap.add_argument("--vllm-python", default=os.environ.get("QUMEM_VLLM_PYTHON", ""))

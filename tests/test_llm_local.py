@@ -103,3 +103,26 @@ def test_engine_greedy_matches_transformers(local):
             xgr.apply_token_bitmask_inplace(row, mask)
             assert row[0, tok] >= row.max() - 1e-3, (r.req.request_id, i)
             assert matcher.accept_token(tok)
+
+
+def test_drafted_tokens_change_nothing(local):
+    """Prompt-lookup drafts verified in a step keep exactly plain greedy decoding's tokens, in fewer steps."""
+    from qumem_pipeline.memories.decompose import decompose_requests
+
+    reqs = decompose_requests([EPISODE], max_tokens=48)
+    was = local.speculate
+    try:
+        outs, stats = {}, {}
+        for k in (0, 4):
+            local.speculate = k
+            local.reset_stats()
+            outs[k] = local.generate(reqs)
+            stats[k] = dict(local.stats)
+    finally:
+        local.speculate = was
+    assert [r.raw_text for r in outs[4]] == [r.raw_text for r in outs[0]]
+    assert [r.finish_reason for r in outs[4]] == [r.finish_reason for r in outs[0]]
+    assert stats[0]["decode_fed_tokens"] == stats[0]["decode_tokens"]  # no drafts: one token a row and step
+    assert stats[4]["decode_tokens"] == stats[0]["decode_tokens"]
+    assert stats[4]["decode_steps"] < stats[0]["decode_steps"]  # drafts were kept
+    assert stats[4]["decode_fed_tokens"] >= stats[4]["decode_tokens"]  # a step keeps at most what it fed

@@ -13,7 +13,10 @@ prefix group: the prefix is prefilled once, its KV held once, and each decode st
 all the group's rows (attention in two parts, the shared prefix and each row's own positions, merged
 by their log-sum-exp). A decode step's matmuls on few rows run far below the machine's matmul rate
 (measured on one core: ~18 GFLOP/s at 8 rows, ~40 at 32, ~53 at 48), and attention reads every row's KV,
-so a larger batch and shared prefix reads are what raise its throughput. `stats` counts the engine's work and
+so a larger batch and shared prefix reads are what raise its throughput. Each decode step also verifies a
+few drafted tokens per row (prompt lookup: small models repeat their prompt and themselves): a row's
+weights and KV are read once for all its tokens, and a draft is kept only where it equals the greedy
+choice, so the output is the same and a step keeps one to five tokens. `stats` counts the engine's work and
 time (prefill and decode seconds, tokens, FLOPs of model work), which `bench/llm_engine_speed.py` reads.
 On a 2-core box shared with other jobs, one torch thread (QUMEM_LLM_THREADS=1) is steadier than two.
 
@@ -38,6 +41,17 @@ from qumem_pipeline.llm.base import (  # noqa: E402
     OnResult,
     read_output,
 )
+
+
+# Prompt-lookup drafting: n-grams up to _NGRAM tokens, DEFAULT_SPECULATE drafted tokens per row and step
+# (tokens kept per step on the example archive's A3 requests, simulated: 2.2 at 2, 2.9 at 4, 3.3 at 6).
+# A draft needs a match of at least _NGRAM_MIN tokens (one-token matches guess wrong more often than right).
+_NGRAM, _NGRAM_MIN = 4, 2
+DEFAULT_SPECULATE = 4
+# Drafts stop where a step would feed more than this many tokens: a step's fixed cost (reading every
+# weight, ~0.16 s on one core of the 2-core box) is what drafts share out; past ~64 rows the matmuls are
+# compute-bound and a wrong draft costs as much as a row.
+SPECULATE_STEP_TOKENS = 64
 
 
 def _t(w):
@@ -258,26 +272,40 @@ class _LeanLM:
         x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
         return self.logits(x[-1:])
 
-    def decode(self, tokens: list[int], positions: list[int], splits: list[int], pslots: list[int],
+    def decode(self, tokens: list[list[int]], positions: list[int], splits: list[int], pslots: list[int],
                prefix_len: dict[int, int]):
-        """One step for rows 0..B-1: row r's token at position positions[r], its prefix (positions <
-        splits[r]) in prefix slot pslots[r] of prefix_len[pslot] positions; logits [B, vocab].
+        """One step for rows 0..B-1: row r feeds tokens[r] (its last chosen token, then any drafted ones)
+        at positions positions[r].., its prefix (positions < splits[r]) in prefix slot pslots[r] of
+        prefix_len[pslot] positions; logits [sum of len(tokens[r]), vocab], row by row.
 
         Attention in two parts merged by their log-sum-exp (exact up to float rounding): every used
         prefix slot once, with the queries of all its rows stacked (so a prefix shared by three rows
-        is read once, not three times), and every row's own positions."""
+        is read once, not three times), and every row's own positions (a drafted token sees the row's
+        earlier tokens of this step: causal within the row). A row's KV is read once for all its
+        tokens, which is what makes verifying drafts cheap: decode is bound by reading weights and KV."""
         import torch
         import torch.nn.functional as F
 
         bsz = len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        own = pos - torch.tensor(splits, dtype=torch.long)
-        rows = torch.arange(bsz)
+        lens = [len(t) for t in tokens]
+        tq = max(lens)
+        n_tok = sum(lens)
+        flat_row = torch.tensor([r for r, n in enumerate(lens) for _ in range(n)], dtype=torch.long)
+        flat_j = torch.tensor([j for n in lens for j in range(n)], dtype=torch.long)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
+        first = torch.tensor(positions, dtype=torch.long)
+        pos = first[flat_row] + flat_j
+        own0 = first - torch.tensor(splits, dtype=torch.long)  # each row's first own position this step
+        own = own0[flat_row] + flat_j
+        slot_of = flat_row * tq + flat_j  # a token's place in the padded [bsz, tq] layout
         n_own = int(own.max()) + 1
-        # additive masks: a row sees its own positions 0..own[r]; a prefix query sees its prefix_len keys
-        omask = torch.zeros((bsz, 1, 1, n_own))
-        omask.masked_fill_((torch.arange(n_own).unsqueeze(0) > own.unsqueeze(1)).view(bsz, 1, 1, n_own), float("-inf"))
+        # additive masks: query j of row r sees its own positions 0..own0[r] + j (a padded query sees 0..own0[r])
+        lim = own0.unsqueeze(1) + torch.arange(tq).unsqueeze(0).minimum(torch.tensor(lens).unsqueeze(1) - 1)  # [bsz, tq]
+        groups = self.nh // self.nkv
+        omask = torch.zeros((bsz, 1, tq, 1, n_own))
+        omask.masked_fill_((torch.arange(n_own).view(1, 1, n_own) > lim.unsqueeze(2)).view(bsz, 1, tq, 1, n_own),
+                           float("-inf"))
+        omask = omask.expand(bsz, 1, tq, groups, n_own).reshape(bsz, 1, tq * groups, n_own)
         n_groups = max(pslots) + 1
         members: list[list[int]] = [[] for _ in range(n_groups)]
         for r, g in enumerate(pslots):
@@ -294,29 +322,41 @@ class _LeanLM:
         pmask = torch.zeros((n_groups, 1, 1, n_pre))
         pmask.masked_fill_((torch.arange(n_pre).unsqueeze(0) >= plen.unsqueeze(1)).view(n_groups, 1, 1, n_pre),
                            float("-inf"))
-        groups = self.nh // self.nkv
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        pad = torch.zeros((1, self.nkv, groups, self.hd))
+        pad = torch.zeros((1, self.nkv, tq, groups, self.hd))
+        single = tq == 1
 
         def write(i, k, v):
             kb, vb = self.kv[i]
-            kb[rows, :, own] = k
-            vb[rows, :, own] = v
+            kb[flat_row, :, own] = k
+            vb[flat_row, :, own] = v
 
         def attend(i, q):
             kb, vb = self.kv[i]
             pk, pv = self.pkv[i]
-            # grouped-query heads folded into the query-length axis: q head h reads kv head h // groups
-            q4 = q.reshape(bsz, self.nkv, groups, self.hd)
-            qg = torch.cat([q4, pad])[gather].view(n_groups, m, self.nkv, groups, self.hd).transpose(1, 2)
-            op, lp = flash(qg.reshape(n_groups, self.nkv, m * groups, self.hd), pk[:n_groups, :, :n_pre],
+            # grouped-query heads folded into the query-length axis: q head h reads kv head h // groups;
+            # a row's tokens [tq] lie next to its heads on that axis
+            if single:
+                q5 = q.reshape(bsz, 1, self.nkv, groups, self.hd)
+            else:
+                q5 = q.new_zeros((bsz * tq, self.nkv, groups, self.hd))
+                q5[slot_of] = q.reshape(n_tok, self.nkv, groups, self.hd)
+                q5 = q5.view(bsz, tq, self.nkv, groups, self.hd)
+            q5 = q5.transpose(1, 2)  # [bsz, nkv, tq, groups, hd]
+            qg = torch.cat([q5, pad])[gather].view(n_groups, m, self.nkv, tq * groups, self.hd).transpose(1, 2)
+            op, lp = flash(qg.reshape(n_groups, self.nkv, m * tq * groups, self.hd), pk[:n_groups, :, :n_pre],
                            pv[:n_groups, :, :n_pre], attn_mask=pmask, scale=self.scale)
-            oo, lo = flash(q4, kb[:bsz, :, :n_own], vb[:bsz, :, :n_own], attn_mask=omask, scale=self.scale)
-            op = op.reshape(n_groups, self.nkv, m, groups, self.hd).transpose(1, 2).reshape(-1, self.nkv, groups, self.hd)[back]
-            lp = lp.reshape(n_groups, self.nkv, m, groups).transpose(1, 2).reshape(-1, self.nkv, groups)[back]
+            oo, lo = flash(q5.reshape(bsz, self.nkv, tq * groups, self.hd), kb[:bsz, :, :n_own], vb[:bsz, :, :n_own],
+                           attn_mask=omask, scale=self.scale)
+            op = op.reshape(n_groups, self.nkv, m, tq * groups, self.hd).transpose(1, 2).reshape(
+                -1, self.nkv, tq * groups, self.hd)[back]
+            lp = lp.reshape(n_groups, self.nkv, m, tq * groups).transpose(1, 2).reshape(-1, self.nkv, tq * groups)[back]
             # softmax over both parts: weight of the prefix part = e^lp / (e^lp + e^lo)
-            o = torch.lerp(oo, op, torch.sigmoid(lp - lo).unsqueeze(-1))
-            return o.reshape(bsz, self.nh * self.hd)
+            o = torch.lerp(oo, op, torch.sigmoid(lp - lo).unsqueeze(-1))  # [bsz, nkv, tq * groups, hd]
+            o = o.view(bsz, self.nkv, tq, groups, self.hd).transpose(1, 2)  # [bsz, tq, nkv, groups, hd]
+            if single:
+                return o.reshape(bsz, self.nh * self.hd)
+            return o.reshape(bsz * tq, self.nh * self.hd)[slot_of]
 
         x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
         return self.logits(x)
@@ -348,6 +388,9 @@ class _Row:
     started: float = 0.0
     latency: float = 0.0
     group: _Group | None = None
+    ctx: list[int] = field(default_factory=list)  # prompt + tokens, for drafting
+    ngrams: list | None = None  # per n: n-gram -> the index after its last occurrence in ctx
+    indexed: int = 0
 
 
 class LocalBackend(BackendBase):
@@ -363,6 +406,7 @@ class LocalBackend(BackendBase):
         model_name: str | None = None,
         prefix_store_size: int = 8,  # 0: no prefix groups (every prompt computed in full)
         min_prefix_reuse: int = 32,  # the fewest shared tokens that make a prefix group / a copied prefix
+        speculate: int | None = None,  # draft tokens verified per row and step (0: one token a step)
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -382,6 +426,9 @@ class LocalBackend(BackendBase):
         self.max_batch_tokens = int(max_batch_tokens)
         self.prefix_store_size = max(0, int(prefix_store_size))
         self.min_prefix_reuse = max(1, int(min_prefix_reuse))
+        if speculate is None:
+            speculate = int(os.environ.get("QUMEM_LLM_SPECULATE", str(DEFAULT_SPECULATE)))
+        self.speculate = max(0, int(speculate))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
@@ -403,7 +450,7 @@ class LocalBackend(BackendBase):
         seconds over the same spans (on a shared box, the time it actually ran)."""
         return {k: 0 for k in ("prefill_s", "prefill_cpu_s", "prefill_tokens", "prefill_flops", "prefill_rows", "decode_s",
                                "decode_cpu_s", "decode_steps",
-                               "decode_tokens", "decode_flops", "decode_forward_s", "grammar_s")}
+                               "decode_tokens", "decode_fed_tokens", "decode_flops", "decode_forward_s", "grammar_s")}
 
     def reset_stats(self) -> None:
         self.stats = self._zero_stats()
@@ -508,25 +555,71 @@ class LocalBackend(BackendBase):
         st["prefill_flops"] += n * eng.linear_flops + eng.head_flops + eng.attn_flops_per_key * (n * reuse + n * (n + 1) // 2)
         return logits
 
-    def _choose(self, rows: list["_Row"], logits) -> None:
-        """Grammar-masked greedy choice of each row's next token."""
+    def _choose(self, rows: list["_Row"], logits, feed: list[list[int]] | None = None) -> None:
+        """Grammar-masked greedy choice of each row's next token; with `feed` (decode: each row's last
+        token, then its drafted tokens, logits row by row), every draft token that equals the greedy
+        choice before it is kept and the choice after it made too, so a step keeps 1..len(feed[r]) tokens,
+        exactly the tokens plain greedy decoding would have chosen one step at a time."""
         import xgrammar as xgr
 
         t0 = time.perf_counter()
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = xgr.allocate_token_bitmask(max(len(rows), self.batch_size), self.vocab_size)
         bitmask = self._bitmask[: len(rows)]
+        starts = [0] * len(rows)
+        if feed is not None:
+            for i in range(1, len(rows)):
+                starts[i] = starts[i - 1] + len(feed[i - 1])
+            first = logits[starts]
+        else:
+            first = logits
         for i, r in enumerate(rows):
             r.matcher.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
-        for r, tok in zip(rows, logits.argmax(-1).tolist()):
-            tok = int(tok)
-            r.tokens.append(tok)
-            if tok == self.eos_id or not r.matcher.accept_token(tok) or r.matcher.is_terminated():
-                r.finish = "stop"
-            elif len(r.tokens) >= r.limit:
-                r.finish = "length"
+        xgr.apply_token_bitmask_inplace(first, bitmask)
+        for i, (r, tok) in enumerate(zip(rows, first.argmax(-1).tolist())):
+            self._take(r, int(tok))
+            if feed is None:
+                continue
+            for j in range(1, len(feed[i])):
+                if r.finish is not None or r.tokens[-1] != feed[i][j]:
+                    break  # the draft diverged: logits past it were computed on a token greedy did not choose
+                row = logits[starts[i] + j: starts[i] + j + 1]
+                r.matcher.fill_next_token_bitmask(bitmask, i)
+                xgr.apply_token_bitmask_inplace(row, bitmask[i: i + 1])
+                self._take(r, int(row.argmax(-1)))
         self.stats["grammar_s"] += time.perf_counter() - t0
+
+    def _take(self, r: "_Row", tok: int) -> None:
+        r.tokens.append(tok)
+        if tok == self.eos_id or not r.matcher.accept_token(tok) or r.matcher.is_terminated():
+            r.finish = "stop"
+        elif len(r.tokens) >= r.limit:
+            r.finish = "length"
+
+    def _draft(self, r: "_Row", k: int) -> list[int]:
+        """Up to `k` tokens guessed by prompt lookup: what followed the last occurrence of the row's
+        longest recent n-gram (n <= 4) in its prompt and output so far. Small models repeat themselves and
+        their prompts (JSON keys, copied phrases), so most guesses hold; a wrong one costs only a little
+        compute in a step that is bound by reading weights and KV, and never changes the output."""
+        k = min(k, r.limit - len(r.tokens) - 1)
+        if k <= 0:
+            return []
+        ctx = r.ctx
+        if r.ngrams is None:
+            r.ngrams = [dict() for _ in range(_NGRAM + 1)]
+            ctx.extend(r.prompt)
+            r.indexed = 0
+        ctx.extend(r.tokens[len(ctx) - len(r.prompt):])
+        idx = r.ngrams
+        for i in range(r.indexed + 1, len(ctx)):  # n-grams ending before i, continued by ctx[i]
+            for n in range(1, min(_NGRAM, i) + 1):
+                idx[n][tuple(ctx[i - n:i])] = i
+        r.indexed = len(ctx) - 1
+        for n in range(min(_NGRAM, len(ctx)), _NGRAM_MIN - 1, -1):
+            at = idx[n].get(tuple(ctx[-n:]))
+            if at is not None:
+                return ctx[at: at + k]
+        return []
 
     def _run(self, rows: list["_Row"], on_done) -> None:
         """Continuous batching over `rows` (already grouped, in admission order); `on_done(row)` per
@@ -574,13 +667,20 @@ class LocalBackend(BackendBase):
                     else:
                         # one decode step: feed every row's last chosen token
                         pos = [len(r.prompt) + len(r.tokens) - 1 for r in active]
-                        logits = eng.decode([r.tokens[-1] for r in active], pos, [r.group.split for r in active],
+                        k = min(self.speculate, (SPECULATE_STEP_TOKENS - len(active)) // len(active))
+                        feed = [[r.tokens[-1], *self._draft(r, k)] for r in active]
+                        logits = eng.decode(feed, pos, [r.group.split for r in active],
                                             [r.group.slot for r in active], {s: g.split for s, g in live.items()})
                         st["decode_forward_s"] += time.perf_counter() - t0
-                        self._choose(active, logits)
+                        before = [len(r.tokens) for r in active]
+                        self._choose(active, logits, feed)
+                        kept = [len(r.tokens) - b for r, b in zip(active, before)]
                         st["decode_steps"] += 1
-                        st["decode_tokens"] += len(active)
-                        st["decode_flops"] += len(active) * (eng.linear_flops + eng.head_flops) + eng.attn_flops_per_key * sum(p + 1 for p in pos)
+                        st["decode_tokens"] += sum(kept)
+                        st["decode_fed_tokens"] += sum(map(len, feed))
+                        # model work of the tokens kept (a rejected draft's work is overhead, not throughput)
+                        st["decode_flops"] += sum(kept) * (eng.linear_flops + eng.head_flops) + eng.attn_flops_per_key * sum(
+                            k * (p + 1) + k * (k - 1) // 2 for k, p in zip(kept, pos))
                     # evict finished rows: the last active row moves into each freed slot; a group's
                     # prefix slot is freed with its last row
                     if any(r.finish is not None for r in active):
