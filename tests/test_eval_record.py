@@ -195,3 +195,29 @@ def test_recall_harness_records_then_replays_with_no_model(monkeypatch, tmp_path
         f.unlink()
     rc, _, err = run(["--replay-only", "--record", str(rec)])
     assert rc == 1 and "model call(s) are not in the record" in err and "information_needs" in err
+
+
+@needs_data
+def test_recorded_episodes_replay_without_the_classifier(monkeypatch, capsys, tmp_path):
+    """A decomposition recorded over one classifier's episodes replays from the episodes the record keeps,
+    whatever classifier ships now: here none can even load (the artifact path does not exist)."""
+    from qumem_pipeline.cli import main as cli_main
+    from qumem_pipeline.eval.record import episodes_path, read_episodes, write_episodes
+
+    table = json.loads((RECORD_ROOT / "tables" / f"{TABLE}.json").read_text())["command"]
+    version = table[table.index("--episodes-version") + 1]
+    stored = episodes_path(EvalRecord(RECORD_ROOT), DEV.name, version, "conv-30", 1)
+    eps = read_episodes(stored)
+    assert len(eps) == 2 and all(e.height and e["classifier_version"].unique().to_list() == [version] for e in eps.values())
+    again = tmp_path / "again.jsonl.gz"
+    assert write_episodes(again, eps) and again.read_bytes() == stored.read_bytes()  # byte-stable round trip
+    monkeypatch.setenv("QUMEM_LLM_KIND", "no-such-backend")
+    monkeypatch.setenv("QUMEM_EVAL_RECORD", str(RECORD_ROOT))
+    monkeypatch.chdir(REPO)
+    rc = cli_main(["eval", "locomo", str(DEV), "--qa", "--replay-only", "--decompose", "--episodes-version", version,
+                   "--continuity-artifact", str(tmp_path / "no-classifier-here"), "--conversations", "conv-30",
+                   "--max-sessions", "1", "--strategies", "topk_memories", "--questions", "conv-30#0",
+                   "--replay-model", "SmolLM2-135M-Instruct-Q4_1@float32", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0
+    assert report["replay"]["missing"]["calls"] == 0 and report["replay"]["memories_match_record"] == {"conv-30": True}

@@ -221,6 +221,39 @@ def write_memories(record: EvalRecord, path: Path, memories) -> bool:
     return True
 
 
+def episodes_path(record: EvalRecord, dataset: str, classifier_version: str, sample_id: str,
+                  max_sessions: int | None) -> Path:
+    """Where the episodes a decomposition was asked over live: by the continuity classifier that made them,
+    so calls recorded under one classifier still replay after the shipped one changes."""
+    name = f"{sample_id}{f'.s{max_sessions}' if max_sessions else ''}.jsonl.gz"
+    slug = re.sub(r"[^A-Za-z0-9_.@-]+", "_", classifier_version)
+    return record.root / "episodes" / Path(dataset).stem / slug / name
+
+
+def write_episodes(path: Path, episodes_by_user: dict) -> bool:
+    """Every speaker's episodes of one conversation as sorted, machine-free gzip JSONL; True when written."""
+    rows = sorted((r for df in episodes_by_user.values() for r in df.to_dicts()),
+                  key=lambda r: (r["user_id"], r["episode_index"]))
+    data = gz_bytes("".join(canonical(r) + "\n" for r in rows))
+    if path.is_file() and path.read_bytes() == data:
+        return False
+    write_atomic(path, data)
+    return True
+
+
+def read_episodes(path: Path) -> dict:
+    """user_id -> episodes frame (the segmentation's schema), as `write_episodes` stored them."""
+    import polars as pl
+
+    from qumem_pipeline.episodes.segmentation import EPISODE_SCHEMA
+
+    rows = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line.strip()]
+    strings = {k: pl.String if isinstance(t, pl.Datetime) else t for k, t in EPISODE_SCHEMA.items()}
+    df = pl.DataFrame(rows, schema=strings).with_columns(
+        pl.col(k).str.to_datetime(time_zone="UTC", time_unit="us") for k, t in EPISODE_SCHEMA.items() if isinstance(t, pl.Datetime))
+    return {u: g.sort("episode_index") for (u,), g in df.group_by("user_id", maintain_order=True)}
+
+
 def read_memories_jsonl(paths: Sequence[Path]):
     import polars as pl
 

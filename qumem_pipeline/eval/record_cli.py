@@ -180,6 +180,8 @@ def run_commands(record: EvalRecord) -> list[list[str]]:
                 cmd += ["--context-tokens", str(st["context_tokens"])]
             if st.get("decompose"):
                 cmd.append("--decompose")
+                if st.get("episodes_version"):
+                    cmd += ["--episodes-version", st["episodes_version"]]
             elif st.get("memories"):
                 cmd += ["--memories", st["memories"]]
             cmds.append(cmd)

@@ -155,6 +155,7 @@ def run_qa(
     replay_model: str | None = None,
     question_keys: Sequence[str] | None = None,
     cover: bool = False,
+    episodes_version: str | None = None,
 ) -> dict:
     """Answer, score, checkpoint; the JSON report (also written to ``out``) and the HTML next to it.
 
@@ -163,7 +164,10 @@ def run_qa(
     ``replay_only``: no model at all - every call from the record, in a fresh work directory (no
     checkpoint, ledger or memories of earlier runs are read); calls it lacks are answered with an error
     and listed in ``report['replay']['missing']``. With ``cover`` the report keeps only the questions
-    (and conversations) whose every call was in the record, and says which."""
+    (and conversations) whose every call was in the record, and says which. ``episodes_version``: with
+    ``decompose``, the episodes the record holds from that continuity classifier instead of the shipped
+    classifier's (a recording run stores the episodes it decomposed, so its calls replay after the
+    classifier changes)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     from qumem_pipeline.eval.record import EvalRecord, RecordBackend, identity_from_runs
 
@@ -234,6 +238,7 @@ def run_qa(
         # ---- memories (only when a memory strategy still has questions to answer)
         mem_df = None
         episodes_by_user = None
+        episodes_used = None
         want_mem = any(todo_of(s) for s in strategies if s in MEMORY_STRATEGIES or s == "adamem")
         if want_mem and (memories is not None or decompose):
             from qumem_pipeline.eval.locomo.data import read_memories
@@ -243,7 +248,12 @@ def run_qa(
                 mroot = Path(memories_out) if memories_out else paths["memories"]
                 need_users = [u for c in convs for u in c.user_ids]
                 missing = [u for u in need_users if u not in _existing_memory_users(mroot)]
-                episodes_by_user, clf_version = build_episodes(convs, continuity_artifact, device, all_users=True)
+                if episodes_version is not None:
+                    episodes_by_user = _recorded_episodes(record, path, convs, episodes_version, max_sessions)
+                    clf_version = episodes_version
+                else:
+                    episodes_by_user, clf_version = build_episodes(convs, continuity_artifact, device, all_users=True)
+                episodes_used = clf_version
                 if missing:
                     te = time.perf_counter()
                     llm().tags = {"strategy": "decompose"}
@@ -367,11 +377,13 @@ def run_qa(
     if replay_info is not None:
         report["replay"] = replay_info
     elif record is not None and llm_holder:
+        settings = {"max_sessions": max_sessions, "words": words, "chunk": chunk, "context_tokens": context_tokens,
+                    "llm_max_tokens": llm_max_tokens, "decompose": bool(decompose),
+                    "memories": None if decompose or memories is None else str(memories)}
+        if decompose and episodes_used:
+            settings["episodes_version"] = episodes_used
         report["record"] = _record_run(llm_holder[0], record, path, convs, selected, run, done, memories if decompose
-                                       else None, {"max_sessions": max_sessions, "words": words, "chunk": chunk,
-                                                   "context_tokens": context_tokens, "llm_max_tokens": llm_max_tokens,
-                                                   "decompose": bool(decompose),
-                                                   "memories": None if decompose or memories is None else str(memories)})
+                                       else None, settings, episodes_by_user if decompose else None)
     ledger_rows = JsonlLog(paths["ledger"]).rows() if paths["ledger"].exists() else []
     report.update({
         "dataset": str(path), **load_info, "n_conversations": len(convs), "seed": seed, "decomposition": decompose_info,
@@ -418,9 +430,30 @@ def _memory_frames(memories, convs) -> dict:
     return {c.sample_id: df.filter(pl.col("user_id").is_in(c.user_ids)) for c in convs}
 
 
-def _record_run(backend, record, path, convs, selected, run, done, memories, settings: dict) -> dict:
-    """The run's manifest and decomposed memories, into the record; what the record gained."""
-    from qumem_pipeline.eval.record import RecordBackend, file_sha256, write_memories
+def _recorded_episodes(record, path, convs, version: str, max_sessions) -> dict:
+    """Every speaker's episodes of these conversations as the record holds them from classifier `version`."""
+    from qumem_pipeline.eval.record import episodes_path, read_episodes
+
+    if record is None:
+        raise ValueError("--episodes-version reads the episodes from the record: give one")
+    out, lacking = {}, []
+    for c in convs:
+        p = episodes_path(record, Path(path).name, version, c.sample_id, max_sessions)
+        if p.is_file():
+            out.update(read_episodes(p))
+        else:
+            lacking.append(c.sample_id)
+    if lacking:
+        raise SystemExit(f"the record holds no episodes of {lacking} from classifier {version} "
+                         f"(under {record.root / 'episodes'}); run without --episodes-version to segment again")
+    return out
+
+
+def _record_run(backend, record, path, convs, selected, run, done, memories, settings: dict,
+                episodes_by_user: dict | None = None) -> dict:
+    """The run's manifest, decomposed memories and the episodes they came from, into the record; what
+    the record gained."""
+    from qumem_pipeline.eval.record import RecordBackend, episodes_path, file_sha256, write_episodes, write_memories
 
     if not isinstance(backend, RecordBackend):
         return {}
@@ -433,6 +466,12 @@ def _record_run(backend, record, path, convs, selected, run, done, memories, set
                                          settings["llm_max_tokens"])
                 if write_memories(record, p, df):
                     written.append(str(p.relative_to(record.root)))
+    if episodes_by_user and settings.get("episodes_version"):
+        for c in convs:
+            mine = {u: e for u, e in episodes_by_user.items() if u in c.user_ids}
+            p = episodes_path(record, Path(path).name, settings["episodes_version"], c.sample_id, settings["max_sessions"])
+            if mine and write_episodes(p, mine):
+                written.append(str(p.relative_to(record.root)))
     answered = {s: sorted(q.key for q in selected if (s, q.key) in done) for s in run}
     manifest = {"kind": "locomo_qa", "dataset": Path(path).name, "dataset_sha256": file_sha256(path),
                 "model_name": ident["model_name"], "model": ident["model"], "decoding": ident["decoding"],
@@ -490,7 +529,7 @@ def cover_options(record, path: str) -> dict:
     return {"conversations": sorted({c for r in best for c in r["conversations"]}), "question_keys": keys,
             "strategies": strategies, "words": st["words"], "chunk": st["chunk"], "context_tokens": st["context_tokens"],
             "llm_max_tokens": st["llm_max_tokens"], "max_sessions": st["max_sessions"], "decompose": st["decompose"],
-            "memories": st["memories"], "replay_model": best[0]["model"],
+            "memories": st["memories"], "replay_model": best[0]["model"], "episodes_version": st.get("episodes_version"),
             "other_groups": len(groups) - 1}
 
 
@@ -533,6 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-sessions", type=int, default=None)
     ap.add_argument("--limit-conversations", type=int, default=None)
     ap.add_argument("--continuity-artifact", default=None)
+    ap.add_argument("--episodes-version", default=None, help="with --decompose: the record's episodes from this "
+                    "continuity classifier version, not the shipped classifier's (replays of runs recorded under it)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--retrieval-json", default=None,
                     help="a retrieval harness JSON report: its recall-vs-budget curves go into the HTML report")
@@ -557,6 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 memories_out=args.memories_out, llm_kind=args.llm_kind, llm_max_tokens=args.llm_max_tokens,
                 conversations=[c.strip() for c in args.conversations.split(",") if c.strip()] if args.conversations else None,
                 max_sessions=args.max_sessions, limit_conversations=args.limit_conversations,
+                episodes_version=args.episodes_version,
                 question_keys=[k.strip() for k in args.questions.split(",") if k.strip()] if args.questions else None)
     cover = args.replay_only and not any(a.startswith("--") and a.split("=", 1)[0] not in COVER_NEUTRAL for a in raw)
     if cover:  # replay everything the record covers
