@@ -83,6 +83,7 @@ def test_engine_greedy_matches_transformers(local):
     import torch
     import xgrammar as xgr
 
+    from qumem_pipeline.llm.model_profiles import tighten_schema
     from qumem_pipeline.memories.decompose import decompose_requests
 
     other = {**EPISODE, "episode_id": "alice-e1",
@@ -95,7 +96,7 @@ def test_engine_greedy_matches_transformers(local):
     for r in finished:
         with torch.inference_mode():
             logits = local.model(torch.tensor([r.prompt + r.tokens])).logits[0, len(r.prompt) - 1:]
-        matcher = xgr.GrammarMatcher(local._compile(r.req.decoding_schema))
+        matcher = xgr.GrammarMatcher(local._compile(tighten_schema(r.req.decoding_schema, local.output_bounds)))
         mask = xgr.allocate_token_bitmask(1, local.vocab_size)
         for i, tok in enumerate(r.tokens):
             row = logits[i: i + 1, : local.vocab_size].float().clone()
@@ -126,3 +127,41 @@ def test_drafted_tokens_change_nothing(local):
     assert stats[4]["decode_tokens"] == stats[0]["decode_tokens"]
     assert stats[4]["decode_steps"] < stats[0]["decode_steps"]  # drafts were kept
     assert stats[4]["decode_fed_tokens"] >= stats[4]["decode_tokens"]  # a step keeps at most what it fed
+
+
+def test_length_retry_goes_on_from_the_cut_tokens(local):
+    """A call cut at max_tokens and sent again with a larger budget (the retry) is not decoded from the
+    start: the engine goes on from the cut tokens, and the answer is the one a fresh call gives."""
+    from dataclasses import replace
+
+    req = ChatRequest("cut", [{"role": "user", "content": "List every fact about my swimming."}],
+                      json_schema=memory_schema(), max_tokens=24)
+    local._cut.clear()
+    (cut,) = local.generate([req])
+    assert cut.finish_reason == "length"
+    local.reset_stats()
+    (more,) = local.generate([replace(req, max_tokens=80)])
+    resumed = dict(local.stats)
+    local._cut.clear()
+    local.reset_stats()
+    (fresh,) = local.generate([replace(req, max_tokens=80)])
+    assert (more.raw_text, more.completion_tokens, more.prompt_tokens, more.finish_reason) == (
+        fresh.raw_text, fresh.completion_tokens, fresh.prompt_tokens, fresh.finish_reason)
+    assert more.raw_text.startswith(cut.raw_text[:20])
+    assert resumed["decode_tokens"] <= local.stats["decode_tokens"] - 23  # the cut's tokens were not decoded again
+
+
+def test_embedded_model_decodes_against_its_cut_bounds(local):
+    """SmolLM2's profile: the engine decodes against a third of every maxItems, and the bounds are part of the
+    decoding identity the record and the checkpoints key on, so outputs under other bounds are not served."""
+    from qumem_pipeline.eval.record import model_identity
+    from qumem_pipeline.memories.call_ledger import CheckpointedLLM
+    from qumem_pipeline.memories.decompose import decompose_requests
+
+    assert local.output_bounds == "items/3,chars/2"
+    reqs = decompose_requests([EPISODE], max_tokens=160)
+    for r in local.generate(reqs):
+        if r.ok:  # 3 turns: at most ceil(3 / 3) = 1 memory citing at most 1 turn
+            assert len(r.parsed["memories"]) <= 1 and all(len(m["evidence_turn_ids"]) <= 1 for m in r.parsed["memories"])
+    assert model_identity(local)["decoding"]["output_bounds"] == "items/3,chars/2"
+    assert CheckpointedLLM(local, None, code_version="t").decoding["output_bounds"] == "items/3,chars/2"

@@ -75,3 +75,32 @@ def test_served_name_carries_a_forced_dtype(tmp_path, monkeypatch):
     assert default_served_name("/m/Q", ["--dtype", "auto"]) == "Q"
     msg = _cmd(tmp_path, monkeypatch, "/m/Qwen2.5-Coder-1.5B-Instruct", QUMEM_VLLM_EXTRA_ARGS="--enforce-eager --dtype float32")
     assert "--served-model-name Qwen2.5-Coder-1.5B-Instruct@float32" in msg and "--dtype float32" in msg
+
+
+def test_output_bounds_cut_the_schema_to_a_subset():
+    """SmolLM2's profile cuts every maxItems to a third and long maxLength to half; ids stay whole, and
+    whatever the cut schema allows the full one allows too."""
+    import jsonschema
+
+    from qumem_pipeline.llm.model_profiles import tighten_schema
+    from qumem_pipeline.query.strategies.agents import A3_SCHEMA
+
+    bounds = profile_for("SmolLM2-135M-Instruct-Q4_1", env={}).output_bounds
+    assert bounds == "items/3,chars/2" and profile_for("Qwen2.5-Coder-1.5B-Instruct", env={}).output_bounds is None
+    cut = tighten_schema(A3_SCHEMA, bounds)
+    facts = cut["properties"]["facts"]
+    assert facts["maxItems"] == 1 and facts["items"]["properties"]["statement"]["maxLength"] == 60
+    assert facts["items"]["properties"]["memory_ids"]["items"]["maxLength"] == 4  # "M12": never cut
+    assert tighten_schema(A3_SCHEMA, None) is A3_SCHEMA
+    out = {"facts": [{"statement": "x" * 60, "memory_ids": ["M1"]}], "preference_trajectory": [], "insights": []}
+    jsonschema.validate(out, cut)
+    jsonschema.validate(out, A3_SCHEMA)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**out, "facts": out["facts"] * 2}, cut)
+
+
+def test_output_bounds_env_override():
+    assert profile_for("SmolLM2-135M-Instruct-Q4_1", env={"QUMEM_LLM_OUTPUT_BOUNDS": "full"}).output_bounds is None
+    assert profile_for("qwen2.5-7b", env={"QUMEM_LLM_OUTPUT_BOUNDS": "items/2,chars/2"}).output_bounds == "items/2,chars/2"
+    with pytest.raises(ValueError, match="items/N,chars/M"):
+        profile_for("qwen2.5-7b", env={"QUMEM_LLM_OUTPUT_BOUNDS": "half"})

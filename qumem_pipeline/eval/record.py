@@ -112,6 +112,8 @@ def model_identity(backend: Any) -> dict:
                     "seed": getattr(client, "seed", None), "compact_json": bool(getattr(client, "compact_json", True))}
     elif getattr(b, "backend_name", "") == "local":
         decoding = {"engine": "transformers", "sampling": "greedy", "grammar": "xgrammar", "compact_json": True}
+        if getattr(b, "output_bounds", None):
+            decoding["output_bounds"] = b.output_bounds
     else:
         decoding = {"engine": str(getattr(b, "backend_name", "") or type(b).__name__)}
     return {"model_name": name, "model": model, "decoding": decoding}

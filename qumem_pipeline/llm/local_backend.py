@@ -16,7 +16,8 @@ by their log-sum-exp). A decode step's matmuls on few rows run far below the mac
 so a larger batch and shared prefix reads are what raise its throughput. Each decode step also verifies a
 few drafted tokens per row (prompt lookup: small models repeat their prompt and themselves): a row's
 weights and KV are read once for all its tokens, and a draft is kept only where it equals the greedy
-choice, so the output is the same and a step keeps one to five tokens. `stats` counts the engine's work and
+choice, so the output is the same and a step keeps one to five tokens. A call cut at max_tokens and sent
+again with a larger budget (a length retry) goes on from its cut tokens instead of writing them again. `stats` counts the engine's work and
 time (prefill and decode seconds, tokens, FLOPs of model work), which `bench/llm_engine_speed.py` reads.
 On a 2-core box shared with other jobs, one torch thread (QUMEM_LLM_THREADS=1) is steadier than two.
 
@@ -25,9 +26,11 @@ Every output is constrained by its request's schema, so it always parses unless 
 max_tokens (reported as a `length` error). Nothing is loaded at import time.
 """
 
+import json
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,7 @@ from qumem_pipeline.llm.base import (  # noqa: E402
     OnResult,
     read_output,
 )
+from qumem_pipeline.llm.model_profiles import tighten_schema  # noqa: E402
 
 
 # Prompt-lookup drafting: n-grams up to _NGRAM tokens, DEFAULT_SPECULATE drafted tokens per row and step
@@ -52,6 +56,9 @@ DEFAULT_SPECULATE = 4
 # weight, ~0.16 s on one core of the 2-core box) is what drafts share out; past ~64 rows the matmuls are
 # compute-bound and a wrong draft costs as much as a row.
 SPECULATE_STEP_TOKENS = 64
+# Outputs of calls cut at max_tokens kept for a retry at a larger budget to go on from (greedy decoding
+# would write them again): the last CUT_KEEP of them.
+CUT_KEEP = 256
 
 
 def _t(w):
@@ -389,6 +396,8 @@ class _Row:
     latency: float = 0.0
     group: _Group | None = None
     ctx: list[int] = field(default_factory=list)  # prompt + tokens, for drafting
+    resumed: list[int] = field(default_factory=list)  # output tokens of a cut earlier try, now part of `prompt`
+    key: tuple = ()
     ngrams: list | None = None  # per n: n-gram -> the index after its last occurrence in ctx
     indexed: int = 0
 
@@ -420,6 +429,11 @@ class LocalBackend(BackendBase):
             default_name = os.path.basename(os.path.normpath(str(model_dir)))
         self.model_dir = str(model_dir)
         self.model_name = model_name or default_name
+        from qumem_pipeline.llm.model_profiles import profile_for
+
+        # the schema bounds this model decodes against (model_profiles.ModelProfile.output_bounds): part of
+        # the backend's decoding identity, so records and checkpoints of other bounds are not served
+        self.output_bounds = profile_for(self.model_dir).output_bounds or profile_for(self.model_name).output_bounds
         threads = num_threads or int(os.environ.get("QUMEM_LLM_THREADS", "0")) or (os.cpu_count() or 1)
         torch.set_num_threads(threads)
         self.batch_size = max(1, int(batch_size))
@@ -440,6 +454,7 @@ class LocalBackend(BackendBase):
         self._compiled: dict[str, Any] = {}
         self._bitmask = None
         self._lock = threading.Lock()
+        self._cut: OrderedDict[tuple, list[int]] = OrderedDict()  # (prompt, schema) -> tokens of a call cut at max_tokens
         self.stats = self._zero_stats()
 
     @staticmethod
@@ -463,8 +478,6 @@ class LocalBackend(BackendBase):
         return list(self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"])
 
     def _compile(self, schema: dict[str, Any]):
-        import json
-
         import xgrammar as xgr
 
         key = json.dumps(schema, sort_keys=True)
@@ -660,7 +673,9 @@ class LocalBackend(BackendBase):
                         for r in new:
                             r.started = time.perf_counter()
                             logits.append(self._prefill(r, len(active) + len(logits), live))
-                        self._choose(new, torch.cat(logits, 0))
+                        fresh = [i for i, r in enumerate(new) if not r.tokens]  # a resumed row has its next token
+                        if fresh:
+                            self._choose([new[i] for i in fresh], torch.cat([logits[i] for i in fresh], 0))
                         active.extend(new)
                         st["prefill_s"] += time.perf_counter() - t0
                         st["prefill_cpu_s"] += time.process_time() - c0
@@ -709,16 +724,21 @@ class LocalBackend(BackendBase):
             eng.release()  # the KV buffers are per call of _run (a run's batch can need GBs)
 
     def _result(self, r: "_Row") -> ChatResult:
-        gen = r.tokens
+        gen = r.resumed + r.tokens
+        if r.finish == "length":
+            self._cut[r.key] = gen
+            self._cut.move_to_end(r.key)
+            while len(self._cut) > CUT_KEEP:
+                self._cut.popitem(last=False)
         n = gen.index(self.eos_id) if self.eos_id in gen else len(gen)
         text = self.tokenizer.decode(gen[:n], skip_special_tokens=True)
-        parsed, error, salvaged = read_output(text, r.req.json_schema, r.finish, r.limit)
+        parsed, error, salvaged = read_output(text, r.req.json_schema, r.finish, max(1, int(r.req.max_tokens)))
         return ChatResult(
             request_id=r.req.request_id,
             parsed=parsed,
             raw_text=text,
             error=error,
-            prompt_tokens=len(r.prompt),
+            prompt_tokens=len(r.prompt) - len(r.resumed),
             completion_tokens=len(gen),  # the stop token included, as vLLM counts
             cached_tokens=r.cached,
             latency_s=r.latency,
@@ -732,10 +752,20 @@ class LocalBackend(BackendBase):
 
         if any(r.json_schema is None for r in requests):
             raise ValueError("the local backend needs a json_schema on every request")
-        rows = [
-            _Row(i, r, self.prompt_token_ids(r.messages), max(1, int(r.max_tokens)), xgr.GrammarMatcher(self._compile(r.decoding_schema)))
-            for i, r in enumerate(requests)
-        ]
+        rows = []
+        for i, r in enumerate(requests):
+            prompt, limit = self.prompt_token_ids(r.messages), max(1, int(r.max_tokens))
+            schema = tighten_schema(r.decoding_schema, self.output_bounds)
+            row = _Row(i, r, prompt, limit, xgr.GrammarMatcher(self._compile(schema)))
+            row.key = (tuple(prompt), json.dumps(schema, sort_keys=True))
+            cut = self._cut.get(row.key)
+            if cut and len(cut) < limit and all(row.matcher.accept_token(t) for t in cut):
+                # this request was cut at a smaller max_tokens (a length retry): greedy decoding would write
+                # the same tokens again, so the row goes on from them (prefilled with its prompt)
+                row.prompt, row.resumed, row.tokens, row.limit = prompt + cut[:-1], cut[:-1], [cut[-1]], limit - len(cut) + 1
+            elif cut:
+                row.matcher = xgr.GrammarMatcher(self._compile(schema))
+            rows.append(row)
         return self._group(rows)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:

@@ -11,19 +11,26 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelProfile:
     family: str
     compact_json: bool  # server's structured-outputs disable_any_whitespace
+    # The embedded engine decodes against the schema's bounds cut to this ("items/3,chars/2": a third of every
+    # maxItems, half of every long maxLength), None: the schema's own. Why: SmolLM2-135M fills every array to
+    # maxItems and every string to maxLength with repeats ("which is a one-shot, which is a one-shot, ..."),
+    # so the bounds, not the content, set its cost: on the example archive's 51 decomposition calls the cut
+    # bounds took 7,440 completion tokens against 17,158 (same 51 calls parsed) and a third of the decode time.
+    output_bounds: str | None = None
 
 
 DEFAULT_PROFILE = ModelProfile(family="default", compact_json=True)
 
 # (substring of the lower-cased model name, profile); first match wins, so specific before general.
 PROFILES: tuple[tuple[str, ModelProfile], ...] = (
-    ("smollm2", ModelProfile(family="smollm2", compact_json=True)),
+    ("smollm2", ModelProfile(family="smollm2", compact_json=True, output_bounds="items/3,chars/2")),
     ("qwen2.5-coder", ModelProfile(family="qwen2.5-coder", compact_json=False)),
     ("qwen2.5", ModelProfile(family="qwen2.5", compact_json=False)),
 )
@@ -62,4 +69,56 @@ def profile_for(model: str, env: dict[str, str] | None = None) -> ModelProfile:
         prof = replace(prof, compact_json=False)
     elif raw:
         raise ValueError(f"QUMEM_VLLM_COMPACT_JSON={raw!r}: expected 1/0, true/false, yes/no, on/off")
+    bounds = str(env.get("QUMEM_LLM_OUTPUT_BOUNDS", "")).strip()
+    if bounds:
+        prof = replace(prof, output_bounds=None if bounds == "full" else (_parse_bounds(bounds) and bounds))
     return prof
+
+
+# A string bound at or below this many characters is an id or a code (a citation alias "M12"): never cut.
+MIN_CUT_LENGTH = 32
+
+
+def _parse_bounds(bounds: str) -> tuple[int, int]:
+    try:
+        parts = dict(p.split("/") for p in bounds.split(","))
+        items, chars = int(parts.pop("items")), int(parts.pop("chars"))
+        if parts or items < 1 or chars < 1:
+            raise ValueError
+    except (ValueError, KeyError):
+        raise ValueError(f"output bounds {bounds!r}: expected 'full' or 'items/N,chars/M' (N, M >= 1)") from None
+    return items, chars
+
+
+def output_bounds_of(backend: Any) -> str | None:
+    """The cut schema bounds the backend under any wrappers (ledger, record, checkpoints) decodes with."""
+    for _ in range(8):
+        if getattr(backend, "output_bounds", None):
+            return backend.output_bounds
+        backend = getattr(backend, "inner", None)
+        if backend is None:
+            break
+    return None
+
+
+def tighten_schema(schema: Any, bounds: str | None) -> Any:
+    """`schema` with every maxItems divided by N (rounded up, never below minItems or 1) and every maxLength
+    above MIN_CUT_LENGTH divided by M (not below MIN_CUT_LENGTH or minLength), for bounds "items/N,chars/M".
+    What it allows is a subset of what `schema` allows, so an output still validates against `schema`."""
+    if not bounds:
+        return schema
+    items, chars = _parse_bounds(bounds)
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        if isinstance(out.get("maxItems"), int) and out["maxItems"] > 1:
+            out["maxItems"] = max(int(out.get("minItems", 1)), 1, -(-out["maxItems"] // items))
+        if isinstance(out.get("maxLength"), int) and out["maxLength"] > MIN_CUT_LENGTH:
+            out["maxLength"] = max(int(out.get("minLength", 0)), MIN_CUT_LENGTH, -(-out["maxLength"] // chars))
+        return out
+
+    return walk(schema)

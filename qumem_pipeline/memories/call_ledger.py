@@ -36,6 +36,7 @@ from qumem_pipeline.llm.base import (
     ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, LLMBackend, LLMError,
     generate_each, read_output,
 )
+from qumem_pipeline.llm.model_profiles import output_bounds_of
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, request_call_key
 from qumem_pipeline.memories.parsing import LEDGER_SCHEMA
 
@@ -81,6 +82,9 @@ class CheckpointedLLM(BackendBase):
         created_at = created_at or datetime.now(timezone.utc)
         self.created_at = created_at if created_at.tzinfo else created_at.replace(tzinfo=timezone.utc)
         self.decoding = {"temperature": getattr(inner, "temperature", 0.0), "seed": getattr(inner, "seed", None)}
+        bounds = output_bounds_of(inner)
+        if bounds:  # the embedded engine's cut schema bounds decide its output too
+            self.decoding["output_bounds"] = bounds
         self.sent = self.replayed = 0
         self._restored: dict[str, CallOutcome] = {}
         self._loaded: set[str] = set()

@@ -23,6 +23,7 @@ import polars as pl
 
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError, generate_each
+from qumem_pipeline.llm.model_profiles import output_bounds_of
 from qumem_pipeline.contracts.stage_versions import stage_version
 # Re-exported: callers (assets, query strategies, tests, benches) import these from here.
 from qumem_pipeline.memories.parsing import (  # noqa: F401
@@ -213,8 +214,9 @@ class _CallRunner:
         md = req.metadata
         # keyed on the configured budget: a checkpoint written by the old cut-then-retry-at-2x policy
         # holds the same final output (greedy decoding), so it is still served
+        bounds = output_bounds_of(self.backend)  # the embedded engine's cut bounds: other outputs
         return call_key(md["user_id"], md["episode_id"], md["type"], req.messages, self.prompt_version,
-                        self.model, md["budget"])
+                        f"{self.model}|bounds={bounds}" if bounds else self.model, md["budget"])
 
     def on_result(self, req: ChatRequest, res: ChatResult,
                   finished: Callable[[CallOutcome], None]) -> list[ChatRequest] | None:
