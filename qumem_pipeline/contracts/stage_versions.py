@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -88,12 +89,26 @@ def _module_file(dotted: str) -> Path | None:
     return None
 
 
+def _statements(body: list) -> Iterator[ast.stmt]:
+    """Every statement of `body`, nested ones included (functions, classes, if/try/with/loop/match bodies),
+    and no expression: imports are statements, and skipping the expressions made walking the stage's
+    modules ~4x cheaper (the code-version walk is a fixed cost of every process, e.g. an incremental ingest)."""
+    stack = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            sub = getattr(node, field, None)
+            if isinstance(sub, list):
+                stack.extend(reversed(sub))
+
+
 def _imported_modules(path: Path, dotted: str) -> set[str]:
     """The qumem_pipeline modules a file imports (top level or inside functions)."""
     tree = ast.parse(path.read_bytes(), filename=str(path))
     pkg = dotted if path.name == "__init__.py" else dotted.rpartition(".")[0]
     found = set()
-    for node in ast.walk(tree):
+    for node in _statements(tree.body):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
