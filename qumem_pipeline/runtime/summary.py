@@ -22,8 +22,9 @@ TEXT_CHARS = 160  # a sample's text is cut here in the summary (`qumem show` pri
 
 EMBEDDED_NOTE = (
     "Quality: these memories and states come from the embedded SmolLM2-135M-Instruct, a 135M-parameter model "
-    "run on CPU. Expect weak memories (many read \"The user...\" or repeat one phrase) and states that cite "
-    "little: this run shows that the pipeline works, not what it can find. For real output, point the LLM "
+    "run on CPU, decoding against schema bounds cut to a third of the items and half the length (it fills "
+    "every field to its bound). Expect weak memories (many read \"The user...\" or repeat one phrase) and states "
+    "that say little: this run shows that the pipeline works, not what it can find. For real output, point the LLM "
     "stages at an OpenAI-compatible server (e.g. vLLM): "
     "QUMEM_LLM_KIND=openai QUMEM_LLM_BASE_URL=http://HOST:8000/v1 .venv/bin/qumem run  (docs/models.md)."
 )
