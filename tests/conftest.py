@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One torch thread per test process: the suite's many small forwards spend two threads' time waking each other
+# (measured on the idle 2-core box, fresh clone: the default tier 1,405 s with two threads, 644 s with one).
+os.environ.setdefault("QUMEM_LLM_THREADS", "1")
 # The deployment secret that keys forget tombstones (object-store roots refuse to forget without one).
 os.environ.setdefault("QUMEM_TOMBSTONE_KEY", "qumem-tests-tombstone-secret")
 # CLI evaluations read and grow eval_record/ by default; tests' fake models must not write there
