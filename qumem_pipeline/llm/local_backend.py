@@ -44,7 +44,7 @@ from qumem_pipeline.llm.base import (  # noqa: E402
     OnResult,
     read_output,
 )
-from qumem_pipeline.llm.model_profiles import tighten_schema  # noqa: E402
+from qumem_pipeline.llm.model_profiles import profile_for, tighten_schema  # noqa: E402
 
 
 # Prompt-lookup drafting: n-grams up to _NGRAM tokens, DEFAULT_SPECULATE drafted tokens per row and step
@@ -429,8 +429,6 @@ class LocalBackend(BackendBase):
             default_name = os.path.basename(os.path.normpath(str(model_dir)))
         self.model_dir = str(model_dir)
         self.model_name = model_name or default_name
-        from qumem_pipeline.llm.model_profiles import profile_for
-
         # the schema bounds this model decodes against (model_profiles.ModelProfile.output_bounds): part of
         # the backend's decoding identity, so records and checkpoints of other bounds are not served
         self.output_bounds = profile_for(self.model_dir).output_bounds or profile_for(self.model_name).output_bounds
