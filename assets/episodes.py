@@ -55,7 +55,8 @@ def episodes(
             turns_by_user,
             lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size, progress=progress),
             rule=model.rule,
-            similarity=model.pair_cosine,  # used only when the rule has similarity dips
+            similarity=model.pair_cosine,  # used only when the rule reads the cosine
+            embed_histories=model.history_embeddings,  # used only when the rule has block features
             classifier_version=model.version,
             token_budget=continuity.token_budget,
         )

@@ -136,7 +136,8 @@ def classifier_episodes(path: Path) -> list[dict]:
         users[uid] = turns.filter(pl.col("user_id") == uid)
     clf = ContinuityClassifier.load()
     by_user, _ = build_episodes_for_users(users, clf.predict_same_proba, rule=clf.rule,
-                                          similarity=clf.pair_cosine, classifier_version=clf.version)
+                                          similarity=clf.pair_cosine, embed_histories=clf.history_embeddings,
+                                          classifier_version=clf.version)
     out = []
     for uid, eps in by_user.items():
         rows = {r["turn_index"]: r for r in users[uid].iter_rows(named=True)}

@@ -144,7 +144,7 @@ def locomo_pipeline_episodes(path: Path, needed: int) -> list[dict]:
     for u in users:  # one user at a time: classify only as many users as the episodes need
         t = turns.filter(pl.col("user_id") == u).sort("turn_index")
         eps, _ = build_episodes_for_users({u: t}, clf.predict_same_proba, rule=rule_of(clf), similarity=clf.pair_cosine,
-                                          classifier_version=clf.version)
+                                          embed_histories=clf.history_embeddings, classifier_version=clf.version)
         by_index = {r["turn_index"]: r for r in t.iter_rows(named=True)}
         for e in eps[u].iter_rows(named=True):
             out.append({"user_id": u, "episode_id": e["episode_id"], "turns": [by_index[i] for i in e["turn_ids"]]})

@@ -1,11 +1,11 @@
-"""Episodes-stage cost of the similarity dips: the shipped rule against the classifier's rule alone.
+"""Episodes-stage cost of the rule's similarity signals: the shipped rule against the classifier's rule alone.
 
     python bench/episodes_similarity.py [--archive examples/archive] [--repeats 3] [--device auto] [--json]
 
 Both runs call :func:`~qumem_pipeline.episodes.segmentation.build_episodes_for_users` on the same
 turns with the same loaded classifier, as the `episodes` asset does: "shipped" = the artifact's rule
-(classifier P(same) + the base-MiniLM cosine of the same user pairs), "without_dips" = the same rule
-without step 4 (no cosine computed). Best of ``--repeats`` each, interleaved; the sentence encoder's
+(classifier P(same) + the base-MiniLM embeddings of the user utterances: adjacent and block cosines),
+"without_dips" = the rule's steps 1-3 alone (no embedding computed). Best of ``--repeats`` each, interleaved; the sentence encoder's
 one-off load is timed separately. Table reads and writes are not part of either. With --json the
 last printed line is one JSON object.
 """
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     def run(rule):
         t = time.perf_counter()
         out, stats = build_episodes_for_users(by_user, clf.predict_same_proba, rule=rule,
-                                              similarity=clf.pair_cosine, classifier_version=clf.version)
+                                              similarity=clf.pair_cosine, embed_histories=clf.history_embeddings,
+                                              classifier_version=clf.version)
         return time.perf_counter() - t, out, stats
 
     best = {k: float("inf") for k in rules}

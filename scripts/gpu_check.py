@@ -155,13 +155,14 @@ def classifier_check(device: str, n_pairs: int, batch_size: int, verify_base: bo
         t = time.perf_counter()
         p = clf.predict_same_proba(pairs, batch_size=batch_size)
         cos = clf.pair_cosine(pairs)
+        embs = clf.history_embeddings(hs) if clf.rule.needs_embeddings else [None] * len(hs)
         if dev == "cuda":
             torch.cuda.synchronize()
         infer_s = time.perf_counter() - t
         bounds, k = [], 0
-        for h in hs:
+        for h, e in zip(hs, embs):
             m = len(h) - 1
-            bounds.append(clf.rule.boundaries(p[k : k + m], cos[k : k + m]))
+            bounds.append(clf.rule.boundaries(p[k : k + m], cos[k : k + m], e))
             k += m
         return clf, p, cos, np.concatenate(bounds) if bounds else np.zeros(0), load_s, infer_s
 

@@ -81,14 +81,37 @@ def test_base_hash_is_verified(tmp_path):
         ContinuityClassifier.load(tmp_path)
 
 
-def test_the_committed_rule_has_similarity_dips_and_a_derived_version(clf):
+def test_the_committed_rule_is_learned_with_block_features_and_a_derived_version(clf):
     from qumem_pipeline.contracts.stage_versions import classifier_version
     from qumem_pipeline.episodes.continuity.decoding import artifact_version
 
-    assert clf.rule.needs_similarity, clf.rule.describe()
-    sel = clf.config["decision"]["selection"]["sim_dip"]
-    assert "OOD calib" in sel["chosen_on"] and sel["dev_pk"] <= sel["dev_pk_without_dips"]
+    assert clf.rule.needs_similarity and clf.rule.needs_embeddings, clf.rule.describe()
+    sel = clf.config["decision"]["selection"]["learned_block"]
+    # chosen with TIAGE dev as a guard only (never fitted on), no worse than the classifier alone there
+    assert "guard: TIAGE dev" in sel["chosen_on"] and "test" not in sel["chosen_on"]
+    assert sel["cv_pk"]["dev"] <= sel["dev_pk_classifier_alone"]
+    assert sel["cutoff"] == clf.rule.learned.cutoff and sel["local_max"] == clf.rule.learned.local_max
     assert clf.version == artifact_version(clf.config["weights_version"], clf.rule) == classifier_version()
+
+
+def test_history_embeddings_are_the_base_minilm_rows_and_give_the_pair_cosine(clf):
+    from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
+    from qumem_pipeline.index.embeddings import Embedder
+
+    history = [PREV, CONT, SHIFT, CONT]
+    (e,) = clf.history_embeddings([history])
+    emb = Embedder.load(device="cpu")
+    np.testing.assert_allclose(e, emb.encode(history), atol=1e-5)
+    pairs = list(zip(history[:-1], history[1:]))
+    np.testing.assert_allclose(adjacent_cosine(e), clf.pair_cosine(pairs), atol=1e-5)
+    both = clf.history_embeddings([history, [SHIFT], []])  # distinct texts encoded once, rows per history
+    np.testing.assert_allclose(both[0], e, atol=1e-6)
+    assert both[1].shape == (1, e.shape[1]) and len(both[2]) == 0
+    # the shipped boundaries are the rule applied to the signals the stage computes
+    p = clf.predict_same_proba(pairs)
+    assert clf.predict_boundaries(pairs).tolist() == clf.rule.boundaries(p, adjacent_cosine(e), e).tolist()
+    with pytest.raises(ValueError, match="embeddings"):
+        clf.rule.boundaries(p, adjacent_cosine(e))
 
 
 def test_pair_cosine_is_the_base_minilm_cosine(clf):
@@ -102,6 +125,3 @@ def test_pair_cosine_is_the_base_minilm_cosine(clf):
     np.testing.assert_allclose(c, want, atol=1e-5)
     assert c[0] == pytest.approx(c[2], abs=1e-6) and c[0] > c[1]  # symmetric; the puppy pair is closer
     assert clf.pair_cosine([]).shape == (0,)
-    # the shipped boundaries are the rule applied to both signals
-    p = clf.predict_same_proba(pairs)
-    assert clf.predict_boundaries(pairs).tolist() == clf.rule.boundaries(p, c).tolist()

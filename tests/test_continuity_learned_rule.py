@@ -201,3 +201,133 @@ def test_the_episodes_stage_applies_a_learned_rule_with_the_cosine():
         similarity=lambda pairs: calls.append(pairs) or np.array(c, np.float32), classifier_version="v-learned")
     assert len(calls) == 1 and out["alice"]["turn_ids"].to_list() == [[0, 1, 2], [3, 4]]
     assert out["alice"]["classifier_version"].to_list() == ["v-learned"] * 2 and stats.episodes == 2
+
+
+def _unit(rng, n, d=8):
+    e = rng.normal(size=(n, d))
+    return e / np.linalg.norm(e, axis=1, keepdims=True)
+
+
+def test_block_and_locally_standardised_features_by_name():
+    from qumem_pipeline.episodes.continuity.gap_features import block_cosine, local_zscore, uses_embeddings
+
+    # two topics of three utterances each: the block cosine is lowest at the gap between them (1/sqrt 2
+    # where one block straddles the change)
+    a, b = np.eye(4)[0], np.eye(4)[1]
+    emb = np.array([a, a, a, b, b, b])
+    p, c = np.full(5, 0.8), np.array([1.0, 1.0, 0.0, 1.0, 1.0])
+    names = ["b2", "b3_rel4", "b2_depth1", "b2_lmin", "z2:lp", "z32:c", "z1:b2"]
+    X = feature_matrix(names, p, c, emb)
+    col = {n: X[:, k] for k, n in enumerate(names)}
+    h = 1 / np.sqrt(2)
+    np.testing.assert_allclose(col["b2"], [1.0, h, 0.0, h, 1.0], atol=1e-6)
+    np.testing.assert_allclose(col["b2"], block_cosine(emb, 2), atol=1e-12)
+    assert col["b2_lmin"].tolist() == [0, 0, 1, 0, 0] and col["b2_depth1"][2] == pytest.approx(2 * h, abs=1e-6)
+    assert col["b3_rel4"][2] == pytest.approx(-(2 + 1) / np.sqrt(5) / 2) and col["z2:lp"].tolist() == [0.0] * 5  # a flat window divides by 1
+    np.testing.assert_allclose(col["z32:c"], (c - c.mean()) / c.std())  # the window covers the whole history
+    # the window is local: gap 0 standardised over gaps 0-1 only
+    x = np.array([1.0, 3.0, 10.0, 10.0])
+    assert local_zscore(x, 1)[0] == pytest.approx((1.0 - 2.0) / 1.0)
+    assert uses_embeddings(names) and not uses_embeddings(["lp", "z4:c_rel2"])
+    with pytest.raises(ValueError, match="utterance embeddings"):
+        feature_matrix(["b2"], p, c)
+    with pytest.raises(ValueError, match="6 utterance embeddings for 4 gaps"):
+        feature_matrix(["b2"], p[:4], c[:4], emb)
+    for bad in (["b0"], ["b10"], ["z0:lp"], ["z4:z4:lp"], ["z4:"], ["bb2"]):
+        with pytest.raises(ValueError, match="feature"):
+            check_feature_names(bad)
+
+
+def test_a_history_growing_at_its_end_changes_no_decision_far_back():
+    """Nightly rebuilds: a user's new turns must not reshuffle their old episodes. Every feature of
+    the shipped kind reaches at most 10 gaps (b6_rel4), the z32 window 32 more, local maxima 1."""
+    from qumem_pipeline.episodes.continuity.tune_learned import block_features
+
+    rng = np.random.default_rng(3)
+    feats = block_features((2, 3, 4, 6), z=True)
+    rule = DecisionRule(0.42, learned=LearnedScore(feats, tuple(rng.normal(size=len(feats))), -0.5, 0.5, True))
+    n = 300
+    emb, p = _unit(rng, n + 40), rng.uniform(0.05, 0.95, n + 39)
+    c = np.einsum("ij,ij->i", emb[:-1], emb[1:])
+    old = rule.boundaries(p[: n - 1], c[: n - 1], emb[:n])
+    new = rule.boundaries(p, c, emb)
+    assert 0 < old.sum() < len(old)
+    reach = 10 + 32 + 1
+    assert new[: n - 1 - reach].tolist() == old[: n - 1 - reach].tolist()
+    assert new[: n - 1].tolist() != old.tolist()  # near the end, the new turns do count
+
+
+def test_choose_learned_block_keeps_the_guard_and_finds_joins_by_block_similarity():
+    from qumem_pipeline.episodes.continuity.tune_decoding import PkScorer
+    from qumem_pipeline.episodes.continuity.tune_learned import choose_learned_block
+
+    rng = np.random.default_rng(0)
+
+    def dialogues(kind, n_dial):
+        out = {"p": [], "c": [], "emb": [], "refs": []}
+        for _ in range(n_dial):
+            n_utt = 24
+            refs = np.zeros(n_utt - 1, int)
+            if kind == "tiage":  # boundaries: low P(same); topics not visible in the embeddings
+                refs[rng.choice(n_utt - 1, 5, replace=False)] = 1
+                p = np.where(refs == 1, rng.uniform(0.05, 0.5, n_utt - 1), rng.uniform(0.3, 0.95, n_utt - 1))
+                emb = _unit(rng, n_utt)
+            else:  # joins: P(same) flat, each excerpt near its own topic vector
+                refs[[7, 15]] = 1
+                p = rng.uniform(0.7, 0.9, n_utt - 1)
+                topic = np.repeat(_unit(rng, 3, 16), 8, axis=0)
+                emb = topic + 0.6 * _unit(rng, n_utt, 16)
+                emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+            out["p"].append(p)
+            out["emb"].append(emb)
+            out["c"].append(np.einsum("ij,ij->i", emb[:-1], emb[1:]))
+            out["refs"].append(list(refs))
+        return out
+
+    S = {"train": dialogues("tiage", 30), "dev": dialogues("tiage", 15), "ood_calib": dialogues("join", 15),
+         "gen_calib": dialogues("join", 15)}
+    alone = DecisionRule(0.42)
+    fs = {"pc": ("lp", "c"), "block": ("lp", "c", "b3", "b3_rel4")}
+    rule, sel = choose_learned_block(alone, S, feature_sets=fs, l2s=(1.0,), n_folds=3)
+    assert sel["feature_set"] == "block" and rule.needs_embeddings
+    assert rule.without_similarity() == alone
+    floor = PkScorer(S["dev"]["refs"])([alone.boundaries(p) for p in S["dev"]["p"]])
+    assert sel["dev_pk_classifier_alone"] == round(floor, 4) and sel["cv_pk"]["dev"] <= sel["dev_pk_classifier_alone"]
+    joins = S["ood_calib"]
+    got = PkScorer(joins["refs"])([rule.boundaries(p, c, e) for p, c, e in zip(joins["p"], joins["c"], joins["emb"])])
+    assert got < 0.1 < PkScorer(joins["refs"])([alone.boundaries(p) for p in joins["p"]])
+    assert len(sel["candidates"]) == 2 * 1 * 2
+    again, _ = choose_learned_block(alone, S, feature_sets=fs, l2s=(1.0,), n_folds=3)
+    assert again == rule
+
+
+def test_the_episodes_stage_passes_each_users_embeddings_to_a_block_rule():
+    import polars as pl
+    from datetime import datetime, timezone
+
+    from qumem_pipeline.episodes.segmentation import build_episodes_for_users
+
+    texts = {"alice": ["a0", "a1", "a2", "a3", "a4"], "bob": ["b0", "b1", "b2"]}
+    vec = {t: v for t, v in zip(sorted({t for x in texts.values() for t in x}), _unit(np.random.default_rng(1), 8))}
+    turns = {u: pl.DataFrame({"user_id": [u] * len(x), "turn_index": list(range(len(x))), "role": ["user"] * len(x),
+                              "text": x, "timestamp": [datetime(2026, 1, 1, tzinfo=timezone.utc)] * len(x)})
+             for u, x in texts.items()}
+    rule = DecisionRule(0.42, learned=LearnedScore(("lp", "b2", "c"), (-1.0, -3.0, -1.0), 0.5, 0.5))
+    calls = []
+
+    def embed(histories):
+        calls.append(histories)
+        return [np.array([vec[t] for t in h]) for h in histories]
+
+    probs = np.full(6, 0.8, np.float32)
+    out, stats = build_episodes_for_users(turns, lambda pairs: probs[: len(pairs)], rule=rule,
+                                          embed_histories=embed, classifier_version="v")
+    assert calls == [[texts["alice"], texts["bob"]]]  # one call for all users, each history in order
+    for u, x in texts.items():
+        e = np.array([vec[t] for t in x])
+        c = np.einsum("ij,ij->i", e[:-1], e[1:])
+        want = [0] + [int(i) + 1 for i in np.flatnonzero(rule.boundaries(np.full(len(x) - 1, 0.8), c, e))]
+        assert out[u]["first_turn_index"].to_list() == want
+    with pytest.raises(ValueError, match="embed_histories"):
+        build_episodes_for_users(turns, lambda pairs: probs[: len(pairs)], rule=rule, classifier_version="v",
+                                 similarity=lambda pairs: np.zeros(len(pairs)))

@@ -19,8 +19,9 @@ CAR = ["My car's check engine light came on this morning.",
        "The car is a 2012 Honda Civic with 140,000 miles."]
 
 
-def test_episodes_asset_applies_the_rule_with_similarity_dips(tmp_path):
+def test_episodes_asset_applies_the_learned_rule_with_block_features(tmp_path):
     from assets.episodes import episodes
+    from qumem_pipeline.index.embeddings import Embedder
     from assets.ingest import turns
     from qumem_pipeline.contracts.stage_versions import classifier_version
     from resources import PipelineConfig
@@ -38,11 +39,14 @@ def test_episodes_asset_applies_the_rule_with_similarity_dips(tmp_path):
     eps = DataLayout(tmp_path / "data").read_user_table("episodes", "alice").sort("episode_index")
 
     clf = continuity.model
-    assert clf.rule.needs_similarity
+    assert clf.rule.needs_similarity and clf.rule.needs_embeddings
     users = COOKING + CAR
     pairs = list(zip(users[:-1], users[1:]))
+    # the signals computed here independently of the stage: the base MiniLM rows of the utterances
+    e = Embedder.load(device="cpu").encode(users)
     p, c = clf.predict_same_proba(pairs), clf.pair_cosine(pairs)
-    want = clf.rule.boundaries(p, c)
+    want = clf.rule.boundaries(p, c, e)
+    assert want.any() and not want.all()  # the rule decides something on this history
     # user utterance k is turn 2k; an episode starts after every boundary gap
     starts = [0] + [2 * (int(i) + 1) for i in np.flatnonzero(want)]
     assert eps["first_turn_index"].to_list() == starts

@@ -95,15 +95,16 @@ def build_units(roles: Sequence[str], turn_indices: Sequence[int], token_counts:
 
 
 def segment(p_same: Sequence[float], rule: DecisionRule | float,
-            cosine: Sequence[float] | None = None) -> list[tuple[int, int]]:
+            cosine: Sequence[float] | None = None, embeddings: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Units [start, end) per episode: a boundary wherever the decision rule puts one.
 
     ``rule`` is the classifier artifact's :class:`DecisionRule` (the same one `qumem eval
     segmentation` applies); a bare float is the plain rule "boundary where P(same) < threshold".
-    ``cosine``: the adjacent cosine per link, for a rule with similarity dips.
+    ``cosine``: the adjacent cosine per link, for a rule with similarity dips; ``embeddings``: the
+    user utterances' embeddings, for a learned rule with block features.
     """
     n = len(p_same) + 1
-    cuts = np.flatnonzero(as_rule(rule).boundaries(p_same, cosine)) if len(p_same) else []
+    cuts = np.flatnonzero(as_rule(rule).boundaries(p_same, cosine, embeddings)) if len(p_same) else []
     starts = [0] + [int(i) + 1 for i in cuts]
     return [(s, e) for s, e in zip(starts, starts[1:] + [n])]
 
@@ -172,9 +173,14 @@ class EpisodeStats:
     oversize_single_units: int = 0
 
 
+def user_texts(turns: pl.DataFrame) -> list[str]:
+    """One user's utterances in history order (the classifier's sequence; context turns left out)."""
+    return turns.sort("turn_index").filter(pl.col("role") == "user")["text"].to_list()
+
+
 def user_pairs(turns: pl.DataFrame) -> list[tuple[str, str]]:
     """Adjacent user-utterance pairs of one user's history (N-1 pairs for N user utterances)."""
-    texts = turns.sort("turn_index").filter(pl.col("role") == "user")["text"].to_list()
+    texts = user_texts(turns)
     return list(zip(texts[:-1], texts[1:]))
 
 
@@ -190,9 +196,11 @@ def build_user_episodes(
     stats: EpisodeStats | None = None,
     break_on_session: bool = True,
     cosine: np.ndarray | None = None,
+    embeddings: np.ndarray | None = None,
 ) -> pl.DataFrame:
     """Episodes of one user from their turns and the classifier's P(same) for each user pair
-    (and, for a rule with similarity dips, the pairs' base-MiniLM ``cosine``).
+    (and, for a rule with similarity dips, the pairs' base-MiniLM ``cosine``; for a learned rule
+    with block features, the user utterances' base-MiniLM ``embeddings``).
 
     ``break_on_session``: a change of (conversation_id, session_id) between user utterances always
     starts a new episode (counted in stats.session_breaks), on top of the classifier's boundaries.
@@ -218,9 +226,11 @@ def build_user_episodes(
     c = None if cosine is None else [float(x) for x in cosine]
     if c is not None and len(c) != len(p):
         raise ValueError(f"user {user_id}: {len(c)} cosines for {len(p)} decisions")
+    if embeddings is not None and n_user and len(embeddings) != n_user:
+        raise ValueError(f"user {user_id}: {len(embeddings)} utterance embeddings for {n_user} user utterances")
     if n_user == 0:  # only context turns: one episode, no decisions
         p, c = [], ([] if c is not None else None)
-    spans = segment(p, rule, c)
+    spans = segment(p, rule, c, embeddings)
     breaks: set[int] = set()
     if break_on_session and n_user > 1:
         user_sessions = {t: k for t, k, r in zip(tis, sessions, roles) if r == "user"}
@@ -275,21 +285,38 @@ def build_episodes_for_users(
     count_tokens: Callable[[str], int] = estimate_tokens,
     break_on_session: bool = True,
     similarity: Callable[[list[tuple[str, str]]], np.ndarray] | None = None,
+    embed_histories: Callable[[list[list[str]]], list[np.ndarray]] | None = None,
 ) -> tuple[dict[str, pl.DataFrame], EpisodeStats]:
     """All users' pairs go through the classifier as one batch; then episodes per user.
 
     ``rule``: the classifier's decision rule (``clf.rule``); ``threshold``: the plain rule.
     ``similarity``: pairs -> base-MiniLM cosine per pair (``clf.pair_cosine``); called, once for all
-    pairs, only when the rule has similarity dips, and required then.
+    pairs, only when the rule reads the cosine, and required then. ``embed_histories``: users'
+    utterance lists -> their base-MiniLM embeddings (``clf.history_embeddings``); called once for all
+    users when the rule has block features (the cosine then comes from the same embeddings).
     """
+    from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
+
     rule = _one_rule(rule, threshold)
-    if rule.needs_similarity and similarity is None:
+    if rule.needs_embeddings and embed_histories is None:
+        raise ValueError(f"the decision rule ({rule.describe()}) needs embed_histories= "
+                         "(the classifier's history_embeddings)")
+    if rule.needs_similarity and not rule.needs_embeddings and similarity is None:
         raise ValueError(f"the decision rule ({rule.describe()}) needs similarity= (the classifier's pair_cosine)")
-    pairs_by_user = {u: user_pairs(t) for u, t in turns_by_user.items()}
+    texts_by_user = {u: user_texts(t) for u, t in turns_by_user.items()}
+    pairs_by_user = {u: list(zip(x[:-1], x[1:])) for u, x in texts_by_user.items()}
     all_pairs = [p for u in turns_by_user for p in pairs_by_user[u]]
     probs = predict_same(all_pairs) if all_pairs else np.zeros(0, dtype=np.float32)
     cos = None
-    if rule.needs_similarity:
+    embs: dict[str, np.ndarray] = {}
+    if rule.needs_embeddings:
+        users = list(turns_by_user)
+        got = embed_histories([texts_by_user[u] for u in users])
+        if len(got) != len(users):
+            raise ValueError(f"embed_histories returned {len(got)} histories for {len(users)} users")
+        embs = dict(zip(users, got))
+        cos = np.concatenate([adjacent_cosine(embs[u]) for u in users]) if users else np.zeros(0, np.float32)
+    elif rule.needs_similarity:
         cos = np.asarray(similarity(all_pairs), dtype=np.float32) if all_pairs else np.zeros(0, dtype=np.float32)
         if len(cos) != len(all_pairs):
             raise ValueError(f"similarity returned {len(cos)} cosines for {len(all_pairs)} pairs")
@@ -302,7 +329,7 @@ def build_episodes_for_users(
         out[u] = build_user_episodes(
             t, probs[offset : offset + n], rule=rule, classifier_version=classifier_version,
             token_budget=token_budget, count_tokens=count_tokens, stats=stats, break_on_session=break_on_session,
-            cosine=None if cos is None else cos[offset : offset + n],
+            cosine=None if cos is None else cos[offset : offset + n], embeddings=embs.get(u),
         )
         offset += n
     return out, stats

@@ -36,11 +36,15 @@ P(same) < threshold".
 5. learned (optional, ``learned`` set; rule ``learned-logistic-v1``): steps 1-4 are replaced by a
    logistic score over named per-gap features of both sequences (:mod:`.gap_features`: the logit of
    P(same), the cosine, their relative dips over several windows, depth scores, local minima, an
-   edge flag) — coefficients, intercept and cutoff stored as plain JSON numbers. A gap is a
+   edge flag; block similarity over the history's utterance embeddings; any of them standardised
+   over a local window) — coefficients, intercept and cutoff stored as plain JSON numbers. A gap is a
    boundary when its score exceeds ``cutoff`` (and, with ``local_max``, is no lower than either
    neighbour's score). Why: a fixed OR of hand-set thresholds cannot weigh the two signals against
-   each other per domain; the weights are fitted, and the cutoff chosen, on TIAGE dev + OOD calib +
-   generated calib only (:func:`qumem_pipeline.episodes.continuity.tune_decoding.choose_learned`).
+   each other per domain; the weights are fitted, and the cutoff chosen, without TIAGE test or an eval
+   half: the shipped score (block features, locally standardised) by
+   :func:`qumem_pipeline.episodes.continuity.tune_learned.choose_learned_block` (fit on TIAGE train + OOD
+   calib + generated calib, TIAGE dev a guard), the P(same)/cosine-only one by
+   :func:`qumem_pipeline.episodes.continuity.tune_decoding.choose_learned`.
    The fields of steps 1-3 stay in the rule as the classifier's decision alone
    (:meth:`DecisionRule.without_similarity`, the reference row of the evaluation).
 
@@ -57,7 +61,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from qumem_pipeline.episodes.continuity.gap_features import check_feature_names, feature_matrix
+from qumem_pipeline.episodes.continuity.gap_features import (check_feature_names, feature_matrix, uses_cosine,
+                                                              uses_embeddings)
 from qumem_pipeline.episodes.continuity.gap_features import neighbour_mean  # noqa: F401  (re-exported)
 
 RULE_NAME = "smooth-threshold-peaks-v1"  # steps 1-3 only (its JSON is unchanged, so are old versions)
@@ -94,19 +99,25 @@ class LearnedScore:
 
     @property
     def uses_cosine(self) -> bool:
-        return any(f == "c" or f.startswith("c_") for f in self.features)
+        return uses_cosine(self.features)
 
-    def score(self, p_same: Sequence[float], cosine: Sequence[float] | None) -> np.ndarray:
+    @property
+    def uses_embeddings(self) -> bool:
+        return uses_embeddings(self.features)
+
+    def score(self, p_same: Sequence[float], cosine: Sequence[float] | None,
+              embeddings: np.ndarray | None = None) -> np.ndarray:
         """P(boundary) per gap (float64)."""
         p = np.asarray(p_same, dtype=np.float64)
         c = np.zeros(len(p)) if cosine is None else cosine
         if not len(p):
             return np.zeros(0)
-        z = feature_matrix(self.features, p, c) @ np.asarray(self.coef) + self.intercept
+        z = feature_matrix(self.features, p, c, embeddings) @ np.asarray(self.coef) + self.intercept
         return 1.0 / (1.0 + np.exp(-z))
 
-    def boundaries(self, p_same: Sequence[float], cosine: Sequence[float] | None) -> np.ndarray:
-        s = self.score(p_same, cosine)
+    def boundaries(self, p_same: Sequence[float], cosine: Sequence[float] | None,
+                   embeddings: np.ndarray | None = None) -> np.ndarray:
+        s = self.score(p_same, cosine, embeddings)
         b = s > self.cutoff
         if self.local_max and len(s):
             left = np.concatenate([[-np.inf], s[:-1]])
@@ -184,6 +195,11 @@ class DecisionRule:
         """Whether :meth:`boundaries` needs the adjacent cosine sequence beside P(same)."""
         return self.has_sim_dips or (self.learned is not None and self.learned.uses_cosine)
 
+    @property
+    def needs_embeddings(self) -> bool:
+        """Whether :meth:`boundaries` needs the history's utterance embeddings (block features)."""
+        return self.learned is not None and self.learned.uses_embeddings
+
     def without_similarity(self) -> "DecisionRule":
         """Steps 1-3 alone: the classifier's own decision, without the similarity dips or a learned score."""
         return DecisionRule(self.threshold, self.peak_threshold, self.smoothing, self.min_segment)
@@ -216,18 +232,24 @@ class DecisionRule:
         nb_cnt[:-1] += 1
         return (1.0 - self.smoothing) * p + self.smoothing * nb_sum / nb_cnt
 
-    def boundaries(self, p_same: Sequence[float], cosine: Sequence[float] | None = None) -> np.ndarray:
+    def boundaries(self, p_same: Sequence[float], cosine: Sequence[float] | None = None,
+                   embeddings: np.ndarray | None = None) -> np.ndarray:
         """0/1 per gap (int8): 1 where a new segment starts after that gap.
 
         ``cosine``: the adjacent base-MiniLM cosine per gap (same order); required when the rule
-        has similarity dips, ignored otherwise."""
+        has similarity dips or a learned score that reads it, ignored otherwise. ``embeddings``: the
+        history's unit-norm base-MiniLM utterance embeddings (one row per utterance, gaps + 1),
+        required by a learned score with block features."""
+        if self.needs_embeddings and embeddings is None:
+            raise ValueError(f"decision rule {self.describe()!r} needs the history's utterance embeddings "
+                             "(embeddings=)")
         if self.needs_similarity:
             if cosine is None:
                 raise ValueError(f"decision rule {self.describe()!r} needs the adjacent cosine per gap (cosine=)")
             if len(cosine) != len(p_same):
                 raise ValueError(f"decision rule: {len(cosine)} cosines for {len(p_same)} P(same) values")
         if self.learned is not None:
-            return self.learned.boundaries(p_same, cosine).astype(np.int8)
+            return self.learned.boundaries(p_same, cosine, embeddings).astype(np.int8)
         q = self.smoothed(p_same)
         n = len(q)
         cand = q < self.threshold
@@ -251,8 +273,9 @@ class DecisionRule:
     def describe(self) -> str:
         if self.learned is not None:
             ls = self.learned
+            names = ", ".join(ls.features) if len(ls.features) <= 8 else ", ".join(ls.features[:6]) + ", ..."
             return (f"boundary when a logistic score over {len(ls.features)} per-gap features "
-                    f"({', '.join(ls.features)}) is above {ls.cutoff:g}"
+                    f"({names}) is above {ls.cutoff:g}"
                     f"{' and a local maximum' if ls.local_max else ''} "
                     f"(classifier alone: {self.without_similarity().describe()[len('boundary when '):]})")
         parts = [f"P(same){' smoothed w=%g' % self.smoothing if self.smoothing else ''} < {self.threshold:g}"]

@@ -17,7 +17,19 @@ Names (``k``: a window, gaps on each side):
   highest of the ``k`` gaps on its left, plus below the highest on its right (a side without gaps
   adds 0; negative where the value stands above a side);
 - ``lp_lmin`` / ``c_lmin``: 1 where the value is a strict local minimum (edges: one neighbour);
-- ``edge``: 1 for the first and the last gap (their relative features see one side only).
+- ``edge``: 1 for the first and the last gap (their relative features see one side only);
+- ``b<k>``: block similarity — the cosine of the mean embedding of the up to ``k`` utterances
+  before the gap with that of the up to ``k`` after it (:func:`block_cosine`; TextTiling's block
+  comparison on MiniLM embeddings). It takes the history's unit-norm utterance embeddings
+  (``emb``), and ``b<k>_rel<w>`` / ``b<k>_depth<w>`` / ``b<k>_lmin`` are its relative dip, depth
+  and local minimum as above. Why: a join between two unrelated dialogues shows as a drop of
+  *block* similarity even where the two utterances at the gap look alike (measured:
+  ``bench/segmentation_learned_features.py``);
+- ``z<w>:<feature>``: any feature above standardised over the ``w`` gaps on each side of the gap
+  (itself included; a flat window divides by 1). Why local: it adapts the scale to a history's
+  own domain (how alike its adjacent turns are at all) while a history that grows at its end
+  changes no decision more than ``w`` + the widest window gaps back, so a nightly rebuild does not
+  reshuffle a long user's old episodes.
 
 Also here: the weighted L2 logistic regression that fits the scores (:func:`fit_logistic`; Newton
 steps, no dependency beyond numpy), used by :mod:`.tune_decoding` ``--learned``.
@@ -30,8 +42,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_WINDOWED = re.compile(r"^(lp|c)_(rel|depth)([1-9][0-9]?)$")
-_PLAIN = ("lp", "c", "lp_lmin", "c_lmin", "edge")
+_SIGNAL = r"(?:lp|c|b[1-9])"
+_WINDOWED = re.compile(rf"^({_SIGNAL})_(rel|depth)([1-9][0-9]?)$")
+_PLAIN = re.compile(rf"^(?:{_SIGNAL}|{_SIGNAL}_lmin|edge)$")
+_ZSCORED = re.compile(r"^z([1-9][0-9]{0,2}):(.+)$")
 
 
 def logit(p: Sequence[float]) -> np.ndarray:
@@ -64,43 +78,91 @@ def depth(x: np.ndarray, window: int) -> np.ndarray:
     """Highest of the ``window`` values on the left minus x, plus the same on the right (0 for a missing side)."""
     x = np.asarray(x, dtype=np.float64)
     n = len(x)
-    out = np.zeros(n)
-    for i in range(n):
-        left = x[max(0, i - window) : i]
-        right = x[i + 1 : i + 1 + window]
-        out[i] = (left.max() - x[i] if len(left) else 0.0) + (right.max() - x[i] if len(right) else 0.0)
-    return out
+    left = np.full(n, -np.inf)
+    right = np.full(n, -np.inf)
+    for k in range(1, min(window, n - 1) + 1):  # shifted copies: O(n * window), no per-gap loop
+        left[k:] = np.maximum(left[k:], x[:-k])
+        right[:-k] = np.maximum(right[:-k], x[k:])
+    return np.where(np.isfinite(left), left - x, 0.0) + np.where(np.isfinite(right), right - x, 0.0)
+
+
+def _base_name(name: str) -> str:
+    m = _ZSCORED.match(name)
+    return m.group(2) if m else name
 
 
 def check_feature_names(names: Sequence[str]) -> None:
     for name in names:
-        if name not in _PLAIN and not _WINDOWED.match(name):
-            raise ValueError(f"learned decision rule: unknown feature {name!r} (known: {', '.join(_PLAIN)}, "
-                             "lp_rel<k>, c_rel<k>, lp_depth<k>, c_depth<k>)")
+        base = _base_name(name)
+        if not (_PLAIN.match(base) or _WINDOWED.match(base)) or _ZSCORED.match(base):
+            raise ValueError(f"learned decision rule: unknown feature {name!r} (known: lp, c, b<k>, each plain, "
+                             "_lmin, _rel<w> or _depth<w>; edge; any of them as z<w>:<feature>)")
     if len(set(names)) != len(names):
         raise ValueError(f"learned decision rule: repeated feature names in {list(names)}")
 
 
-def feature_matrix(names: Sequence[str], p_same: Sequence[float], cosine: Sequence[float]) -> np.ndarray:
-    """(n_gaps, len(names)) float64: the named features of one history's gaps."""
+def uses_embeddings(names: Sequence[str]) -> bool:
+    """Whether any feature is a block similarity (needs the history's utterance embeddings)."""
+    return any(_base_name(n).startswith("b") for n in names)
+
+
+def uses_cosine(names: Sequence[str]) -> bool:
+    return any(_base_name(n) == "c" or _base_name(n).startswith("c_") for n in names)
+
+
+def local_zscore(x: np.ndarray, window: int) -> np.ndarray:
+    """(x - mean) / std over the up to ``window`` values on each side and x itself (std 0: divide by 1)."""
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    if not n:
+        return x
+    c1 = np.concatenate([[0.0], np.cumsum(x)])
+    c2 = np.concatenate([[0.0], np.cumsum(x * x)])
+    i = np.arange(n)
+    lo, hi = np.maximum(0, i - window), np.minimum(n, i + window + 1)
+    cnt = hi - lo
+    mu = (c1[hi] - c1[lo]) / cnt
+    sd = np.sqrt(np.maximum((c2[hi] - c2[lo]) / cnt - mu * mu, 0.0))
+    return (x - mu) / np.where(sd > 1e-9, sd, 1.0)
+
+
+def feature_matrix(names: Sequence[str], p_same: Sequence[float], cosine: Sequence[float],
+                   embeddings: np.ndarray | None = None) -> np.ndarray:
+    """(n_gaps, len(names)) float64: the named features of one history's gaps. ``embeddings``: the
+    history's unit-norm utterance embeddings (n_gaps + 1 rows), needed by block features only."""
     check_feature_names(names)
     base = {"lp": logit(p_same), "c": np.asarray(cosine, dtype=np.float64)}
     n = len(base["lp"])
     if len(base["c"]) != n:
         raise ValueError(f"learned decision rule: {len(base['c'])} cosines for {n} P(same) values")
-    cols = []
-    for name in names:
-        if name in ("lp", "c"):
-            cols.append(base[name])
-        elif name.endswith("_lmin"):
-            cols.append(strict_local_min(base[name[: -len("_lmin")]]))
-        elif name == "edge":
+    if uses_embeddings(names):
+        if embeddings is None:
+            raise ValueError("learned decision rule: block features need the history's utterance embeddings")
+        if n and len(embeddings) != n + 1:
+            raise ValueError(f"learned decision rule: {len(embeddings)} utterance embeddings for {n} gaps")
+
+    def signal(sig: str) -> np.ndarray:
+        if sig not in base:  # b<k>, computed once per history
+            base[sig] = block_cosine(embeddings, int(sig[1:])) if n else np.zeros(0)
+        return base[sig]
+
+    def column(name: str) -> np.ndarray:
+        z = _ZSCORED.match(name)
+        if z:
+            return local_zscore(column(z.group(2)), int(z.group(1)))
+        if name == "edge":
             idx = np.arange(n)
-            cols.append(((idx == 0) | (idx == n - 1)).astype(np.float64))
-        else:
-            sig, kind, k = _WINDOWED.match(name).groups()
-            x = base[sig]
-            cols.append(x - neighbour_mean(x, int(k)) if kind == "rel" else depth(x, int(k)))
+            return ((idx == 0) | (idx == n - 1)).astype(np.float64)
+        if name.endswith("_lmin"):
+            return strict_local_min(signal(name[: -len("_lmin")]))
+        w = _WINDOWED.match(name)
+        if w:
+            sig, kind, k = w.groups()
+            x = signal(sig)
+            return x - neighbour_mean(x, int(k)) if kind == "rel" else depth(x, int(k))
+        return signal(name)
+
+    cols = [column(name) for name in names]
     return np.column_stack(cols) if cols else np.zeros((n, 0))
 
 
@@ -134,14 +196,13 @@ def fit_logistic(X: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None
 def block_cosine(emb: np.ndarray, window: int) -> np.ndarray:
     """Per gap of a history with unit-norm utterance embeddings ``emb`` (n, d): the cosine of the mean
     embedding of the up to ``window`` utterances before the gap with the mean of the up to
-    ``window`` after it (TextTiling's block comparison). Not yet a rule feature: the episodes stage
-    passes the rule per-gap signals only, and this needs each history's utterance embeddings
-    (``bench/segmentation_learned_features.py`` measures what it would add)."""
+    ``window`` after it (TextTiling's block comparison): the learned rule's ``b<k>`` features."""
     e = np.asarray(emb, dtype=np.float64)
     n = len(e) - 1
-    out = np.zeros(max(n, 0))
-    for i in range(max(n, 0)):
-        a = e[max(0, i - window + 1) : i + 1].mean(0)
-        b = e[i + 1 : i + 1 + window].mean(0)
-        out[i] = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-9))
-    return out
+    if n <= 0:
+        return np.zeros(0)
+    pre = np.vstack([np.zeros((1, e.shape[1])), np.cumsum(e, axis=0)])  # the cosine of means is that of sums
+    i = np.arange(n)
+    a = pre[i + 1] - pre[np.maximum(0, i - window + 1)]
+    b = pre[np.minimum(n + 1, i + 1 + window)] - pre[i + 1]
+    return np.einsum("ij,ij->i", a, b) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-9)

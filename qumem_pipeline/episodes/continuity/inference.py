@@ -24,7 +24,7 @@ import torch
 from qumem_pipeline.runtime.batching import length_buckets, pad_batch
 from qumem_pipeline.episodes.continuity.base import base_model_dir, base_weights_sha256, load_tokenizer
 from qumem_pipeline.episodes.continuity.decoding import DecisionRule, version_of_config
-from qumem_pipeline.episodes.continuity.similarity import pair_cosine
+from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine, history_embeddings, pair_cosine
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
 
 DEFAULT_ARTIFACT_DIR = Path(__file__).resolve().parents[2] / "artifacts" / "continuity"
@@ -161,11 +161,35 @@ class ContinuityClassifier:
         enc = self.sentence_encoder()
         return pair_cosine(pairs, lambda texts: enc.encode(texts, batch_size=batch_size))
 
+    def history_embeddings(self, histories: Sequence[Sequence[str]], batch_size: int = 32) -> list[np.ndarray]:
+        """Base-MiniLM unit-norm embeddings per utterance of each history (distinct texts encoded once):
+        what a decision rule with block features reads (:meth:`DecisionRule.boundaries` ``embeddings=``)."""
+        enc = self.sentence_encoder()
+        return history_embeddings(histories, lambda texts: enc.encode(texts, batch_size=batch_size))
+
+    def history_signals(self, histories: Sequence[Sequence[str]], batch_size: int = 64):
+        """Per history (its utterances in order): (P(same) per gap, cosine per gap or None, utterance
+        embeddings or None) — what this classifier's rule reads, computed as the episodes stage does."""
+        pairs = [(h[i], h[i + 1]) for h in histories for i in range(len(h) - 1)]
+        probs = self.predict_same_proba(pairs, batch_size) if pairs else np.zeros(0, np.float32)
+        embs = self.history_embeddings(histories) if self.rule.needs_embeddings else [None] * len(histories)
+        cos = None
+        if self.rule.needs_similarity and not self.rule.needs_embeddings:
+            cos = self.pair_cosine(pairs)
+        out, pos = [], 0
+        for h, e in zip(histories, embs):
+            n = max(len(h) - 1, 0)
+            c = adjacent_cosine(e) if e is not None else (None if cos is None else cos[pos : pos + n])
+            out.append((probs[pos : pos + n], c, e))
+            pos += n
+        return out
+
     def predict_boundaries(self, pairs: Sequence[tuple[str, str]], batch_size: int = 64) -> np.ndarray:
         """1 where a new event starts, for ``pairs`` = the consecutive pairs of ONE history (the
         decision rule may look at neighbouring gaps)."""
-        p = self.predict_same_proba(pairs, batch_size)
-        return self.rule.boundaries(p, self.pair_cosine(pairs) if self.rule.needs_similarity else None)
+        history = [pairs[0][0], *(b for _, b in pairs)] if pairs else []
+        (p, c, e), = self.history_signals([history], batch_size)
+        return self.rule.boundaries(p, c, e)
 
     @torch.inference_mode()
     def raw_forward(self, batches) -> None:

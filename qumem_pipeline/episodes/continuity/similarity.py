@@ -27,3 +27,25 @@ def pair_cosine(pairs: Sequence[tuple[str, str]], encode: Callable[[list[str]], 
     ia = np.fromiter((index[a or ""] for a, _ in pairs), dtype=np.int64, count=len(pairs))
     ib = np.fromiter((index[b or ""] for _, b in pairs), dtype=np.int64, count=len(pairs))
     return np.einsum("ij,ij->i", emb[ia], emb[ib]).astype(np.float32)
+
+
+def history_embeddings(histories: Sequence[Sequence[str]], encode: Callable[[list[str]], np.ndarray]) -> list[np.ndarray]:
+    """Unit-norm embedding rows (float32) per history, one per utterance, in order; every distinct
+    text across all histories is encoded once, in one call (the learned rule's block features)."""
+    index: dict[str, int] = {}
+    for h in histories:
+        for t in h:
+            index.setdefault(t or "", len(index))
+    if not index:
+        return [np.zeros((0, 0), dtype=np.float32) for _ in histories]
+    emb = np.asarray(encode(list(index)), dtype=np.float32)
+    return [emb[np.fromiter((index[t or ""] for t in h), dtype=np.int64, count=len(h))] for h in histories]
+
+
+def adjacent_cosine(embeddings: np.ndarray) -> np.ndarray:
+    """Cosine of each utterance with the next (unit-norm rows): what :func:`pair_cosine` gives for
+    the history's consecutive pairs, from embeddings already at hand."""
+    e = np.asarray(embeddings, dtype=np.float32)
+    if len(e) < 2:
+        return np.zeros(0, dtype=np.float32)
+    return np.einsum("ij,ij->i", e[:-1], e[1:]).astype(np.float32)

@@ -39,7 +39,7 @@ def build_episodes(convs: list[Conversation], artifact_dir: str | None = None, d
             turns_by_user.update({u: t for u, t in (c.turns_by_user or {}).items() if u != c.user_id})
     eps, _ = build_episodes_for_users(
         turns_by_user, clf.predict_same_proba, rule=rule_of(clf), similarity=getattr(clf, "pair_cosine", None),
-        classifier_version=clf.version
+        embed_histories=getattr(clf, "history_embeddings", None), classifier_version=clf.version
     )
     return eps, clf.version
 

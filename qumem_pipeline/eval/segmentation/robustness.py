@@ -104,19 +104,26 @@ def baseline_hyps(dialogues: list[Dialogue], sims: list[np.ndarray], sim_thresho
     }
 
 
-def classifier_signals(clf, dialogues: list[Dialogue], batch_size: int = 64, with_cosine: bool = True):
-    """(P(same), cosine or None) per dialogue, as the episodes stage computes them."""
+def classifier_signals(clf, dialogues: list[Dialogue], batch_size: int = 64, with_cosine: bool = True,
+                       with_embeddings: bool = False):
+    """(P(same), cosine or None, utterance embeddings or None) per dialogue, as the episodes stage
+    computes them (with embeddings, the cosine comes from them, as there)."""
+    from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
+
     pairs = adjacent_pairs(dialogues)
     p = per_dialogue(clf.predict_same_proba(pairs, batch_size=batch_size), dialogues)
+    if with_embeddings:
+        e = clf.history_embeddings([list(d.utterances) for d in dialogues])
+        return p, [adjacent_cosine(x) for x in e], e
     c = per_dialogue(clf.pair_cosine(pairs), dialogues) if with_cosine else [None] * len(dialogues)
-    return p, c
+    return p, c, [None] * len(dialogues)
 
 
 def classifier_hyps(clf, dialogues: list[Dialogue], batch_size: int = 64) -> list[list[int]]:
-    """The shipped rule's boundaries (with its similarity dips when it has them)."""
+    """The shipped rule's boundaries, from the signals it reads (as the episodes stage computes them)."""
     rule = rule_of(clf)
-    p, c = classifier_signals(clf, dialogues, batch_size, rule.needs_similarity)
-    return [[int(x) for x in rule.boundaries(q, s)] for q, s in zip(p, c)]
+    signals = clf.history_signals([list(d.utterances) for d in dialogues], batch_size)
+    return [[int(x) for x in rule.boundaries(p, c, e)] for p, c, e in signals]
 
 
 def load_sets(with_calib: bool = False, seed: int = ood.DEFAULT_SEED) -> dict[str, list[Dialogue]]:
@@ -174,20 +181,21 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
 
     def scored(rule, signals: dict) -> dict:
         return {n: scores_dict(evaluate([d.boundaries for d in sets[n]],
-                                        [rule.boundaries(p, c) for p, c in zip(*signals[n])]))
+                                        [rule.boundaries(p, c, e) for p, c, e in zip(*signals[n])]))
                 for n in sets}
 
     for label, load in loaders.items():
         clf = load()
         rule = rule_of(clf)
         versions[label] = {"version": clf.version, "rule": rule.to_json(), "describe": rule.describe()}
-        signals = {n: classifier_signals(clf, ds, batch_size) for n, ds in sets.items()}
+        signals = {n: classifier_signals(clf, ds, batch_size, with_embeddings=rule.needs_embeddings)
+                   for n, ds in sets.items()}
         table[label] = scored(rule, signals)
         if rule.needs_similarity:
             table[f"{label}/no_sim_dip"] = scored(rule.without_similarity(), signals)
         if sim_dip or learned:
-            dev_p, dev_c = classifier_signals(clf, dev, batch_size)
-            cal = [(*classifier_signals(clf, c, batch_size), [d.boundaries for d in c]) for c in calib]
+            dev_p, dev_c, _ = classifier_signals(clf, dev, batch_size)
+            cal = [(*classifier_signals(clf, c, batch_size)[:2], [d.boundaries for d in c]) for c in calib]
             dev_sig = (dev_p, dev_c, [d.boundaries for d in dev])
         if sim_dip:
             rechosen, sel = choose_sim_dip(rule, dev_sig, cal)
