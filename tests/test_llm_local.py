@@ -129,6 +129,63 @@ def test_drafted_tokens_change_nothing(local):
     assert stats[4]["decode_fed_tokens"] >= stats[4]["decode_tokens"]  # a step keeps at most what it fed
 
 
+def test_decode_step_matches_each_row_decoded_alone(local):
+    """A decode step's attention over rows of several prefix slots (prefixes of different lengths, a freed slot
+    among them, one row per slot and two in one, drafted tokens) gives every token the logits its row gets
+    decoded alone, one token at a time (each prefix slot attended over its own length only)."""
+    import torch
+
+    from qumem_pipeline.llm.local_backend import _LeanLM
+
+    eng = _LeanLM(local.model)
+    tokens = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    positions = [40, 33, 50, 45]
+    splits = [30, 30, 20, 41]  # own positions so far: 10, 3, 30, 4
+    pslots = [1, 1, 3, 0]  # prefix slot 2 free
+    prefix_len = {0: 41, 1: 30, 3: 20}
+    eng.reserve(4, 64, 4, 64)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for k, v in eng.kv + eng.pkv:
+            k.normal_(generator=g).mul_(0.5)
+            v.normal_(generator=g)
+        own = [(k.clone(), v.clone()) for k, v in eng.kv]
+        batch = eng.decode(tokens, positions, splits, pslots, prefix_len)
+        at = 0
+        for r, toks in enumerate(tokens):
+            for (k, v), (k0, v0) in zip(eng.kv, own):
+                k.copy_(k0)
+                v.copy_(v0)
+            eng.move(r, 0, positions[r] - splits[r])  # the row alone, in own slot 0
+            for j, t in enumerate(toks):
+                alone = eng.decode([[t]], [positions[r] + j], [splits[r]], [pslots[r]], prefix_len)
+                assert torch.allclose(batch[at], alone[0], atol=5e-3, rtol=1e-4), (r, j, (batch[at] - alone[0]).abs().max())
+                at += 1
+    eng.release()
+
+
+def test_reordered_weights_decode_as_the_plain_matmul(local):
+    """The engine's matmuls on oneDNN-reordered weights (where this torch has them) choose the tokens the
+    plain torch.mm path chooses."""
+    from qumem_pipeline.llm.local_backend import _LeanLM
+    from qumem_pipeline.memories.decompose import decompose_requests
+
+    if not local.engine.packed:
+        pytest.skip("this torch has no oneDNN linear: the engine runs torch.mm")
+    reqs = decompose_requests([EPISODE], max_tokens=48)
+    was = local.engine
+    try:
+        local._cut.clear()
+        packed = local.generate(reqs)
+        local.engine = _LeanLM(local.model, packed=False)
+        local._cut.clear()
+        plain = local.generate(reqs)
+    finally:
+        local.engine = was
+        local._cut.clear()
+    assert [(r.raw_text, r.finish_reason) for r in packed] == [(r.raw_text, r.finish_reason) for r in plain]
+
+
 def test_length_retry_goes_on_from_the_cut_tokens(local):
     """A call cut at max_tokens and sent again with a larger budget (the retry) is not decoded from the
     start: the engine goes on from the cut tokens, and the answer is the one a fresh call gives."""

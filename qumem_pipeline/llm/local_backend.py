@@ -11,9 +11,11 @@ alone (only float rounding in differently shaped matmuls can differ).
 Requests of one call that share a prompt prefix (an episode's three decomposition calls) form a
 prefix group: the prefix is prefilled once, its KV held once, and each decode step reads it once for
 all the group's rows (attention in two parts, the shared prefix and each row's own positions, merged
-by their log-sum-exp). A decode step's matmuls on few rows run far below the machine's matmul rate
-(measured on one core: ~18 GFLOP/s at 8 rows, ~40 at 32, ~53 at 48), and attention reads every row's KV,
-so a larger batch and shared prefix reads are what raise its throughput. Each decode step also verifies a
+by their log-sum-exp; each prefix slot in use over its own length). The matmuls run on weights reordered
+once into oneDNN's layout where this torch has it (QUMEM_LLM_ONEDNN=0: torch.mm): MKL's sgemm lays the
+weight out again on every call, which a decode step's few rows do not pay back (one core, 48 rows: ~55
+GFLOP/s with torch.mm, ~93 reordered). Attention reads every row's KV, so a larger batch and shared
+prefix reads are what raise decode throughput. Each decode step also verifies a
 few drafted tokens per row (prompt lookup: small models repeat their prompt and themselves): a row's
 weights and KV are read once for all its tokens, and a draft is kept only where it equals the greedy
 choice, so the output is the same and a step keeps one to five tokens. A call cut at max_tokens and sent
@@ -68,9 +70,43 @@ def _t(w):
     return w.detach().float().t().contiguous()
 
 
+# Rows the oneDNN weights are laid out for (a decode step's tokens, SPECULATE_STEP_TOKENS); any row count runs.
+PACK_ROWS = 64
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch runs oneDNN's linear on weights reordered once ahead (`mkldnn._reorder_linear_weight`,
+    private ops, so checked on a small product here); QUMEM_LLM_ONEDNN=0 turns it off."""
+    if os.environ.get("QUMEM_LLM_ONEDNN", "1") == "0":
+        return False
+    try:
+        import torch
+
+        if not torch.backends.mkldnn.is_available():
+            return False
+        w, x = torch.randn(96, 40), torch.randn(5, 40)
+        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), None,
+                                               "none", [], "")
+        return bool(torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4))
+    except Exception:  # noqa: BLE001 - an older/other build: the plain matmul
+        return False
+
+
+def _pack(w):
+    """A weight [out, in] in oneDNN's blocked layout for x @ w^T. Why: MKL's sgemm lays the weight out
+    again on every call, which a decode step's few rows do not pay back (one thread, 48 rows: 576x3072
+    55 GFLOP/s with torch.mm, 93 reordered; the LM head 576x49152 50 against 97); a row's result is
+    also the same whatever the other rows (torch.mm's is not)."""
+    import torch
+
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().float().contiguous(), PACK_ROWS)
+
+
 def _mm(x, wt, b=None):
     import torch
 
+    if wt.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, wt, b, "none", [], "")
     return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
 
 
@@ -89,7 +125,7 @@ class _LeanLM:
 
     SUPPORTED = ("llama", "qwen2", "mistral")
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, packed: bool | None = None) -> None:
         import torch
 
         cfg = model.config
@@ -112,6 +148,8 @@ class _LeanLM:
         def heads_perm(w, n):
             return w.reshape(n, self.hd, *w.shape[1:])[:, perm].reshape(w.shape)
 
+        self.packed = onednn_linear_available() if packed is None else bool(packed)
+        wt = _pack if self.packed else _t  # a weight as _mm takes it
         self.layers = []
         with torch.no_grad():
             for layer in base.layers:
@@ -127,12 +165,12 @@ class _LeanLM:
                 gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).float().contiguous()
                 gub = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]).float()
                 db = None if m.down_proj.bias is None else m.down_proj.bias.float()
-                self.layers.append((layer.input_layernorm.weight.float(), _t(w), b, _t(a.o_proj.weight), ob,
-                                    layer.post_attention_layernorm.weight.float(), _t(gu), gub,
-                                    _t(m.down_proj.weight), db))
+                self.layers.append((layer.input_layernorm.weight.float(), wt(w), b, wt(a.o_proj.weight), ob,
+                                    layer.post_attention_layernorm.weight.float(), wt(gu), gub,
+                                    wt(m.down_proj.weight), db))
             self.embed = base.embed_tokens.weight.float()
             self.norm = base.norm.weight.float()
-            self.lm_head = _t(model.lm_head.weight)
+            self.lm_head = wt(model.lm_head.weight)
         self._rotary = base.rotary_emb
         self._freqs = None  # complex [positions, hd/2]
         self.kv: list = []  # per layer (K, V) own buffers [slots, nkv, own_cap, hd]
@@ -285,11 +323,14 @@ class _LeanLM:
         at positions positions[r].., its prefix (positions < splits[r]) in prefix slot pslots[r] of
         prefix_len[pslot] positions; logits [sum of len(tokens[r]), vocab], row by row.
 
-        Attention in two parts merged by their log-sum-exp (exact up to float rounding): every used
-        prefix slot once, with the queries of all its rows stacked (so a prefix shared by three rows
-        is read once, not three times), and every row's own positions (a drafted token sees the row's
-        earlier tokens of this step: causal within the row). A row's KV is read once for all its
-        tokens, which is what makes verifying drafts cheap: decode is bound by reading weights and KV."""
+        Attention in two parts merged by their log-sum-exp (exact up to float rounding): each prefix slot
+        in use once, over its exact length, with the queries of all its rows stacked (so a prefix shared by
+        three rows is read once, not three times), and every row's own positions (a drafted token sees the
+        row's earlier tokens of this step: causal within the row). A row's KV is read once for all its
+        tokens, which is what makes verifying drafts cheap: decode is bound by reading weights and KV.
+        Why one call per prefix slot: one padded call over all slots computed every slot up to the highest
+        in use (freed ones too) and every prefix to the longest, more than half of a step's time once
+        rows had left the batch (measured on the example archive's decode: attention 24 s of 42 s)."""
         import torch
         import torch.nn.functional as F
 
@@ -306,31 +347,35 @@ class _LeanLM:
         own = own0[flat_row] + flat_j
         slot_of = flat_row * tq + flat_j  # a token's place in the padded [bsz, tq] layout
         n_own = int(own.max()) + 1
-        # additive masks: query j of row r sees its own positions 0..own0[r] + j (a padded query sees 0..own0[r])
-        lim = own0.unsqueeze(1) + torch.arange(tq).unsqueeze(0).minimum(torch.tensor(lens).unsqueeze(1) - 1)  # [bsz, tq]
         groups = self.nh // self.nkv
-        omask = torch.zeros((bsz, 1, tq, 1, n_own))
-        omask.masked_fill_((torch.arange(n_own).view(1, 1, n_own) > lim.unsqueeze(2)).view(bsz, 1, tq, 1, n_own),
-                           float("-inf"))
-        omask = omask.expand(bsz, 1, tq, groups, n_own).reshape(bsz, 1, tq * groups, n_own)
-        n_groups = max(pslots) + 1
-        members: list[list[int]] = [[] for _ in range(n_groups)]
-        for r, g in enumerate(pslots):
-            members[g].append(r)
-        m = max(len(x) for x in members)
-        gather = torch.full((n_groups * m,), bsz, dtype=torch.long)  # index bsz = a zero query (padding)
-        back = torch.empty(bsz, dtype=torch.long)
-        for g, rs in enumerate(members):
-            for j, r in enumerate(rs):
-                gather[g * m + j] = r
-                back[r] = g * m + j
-        plen = torch.tensor([max(1, prefix_len.get(g, 1)) for g in range(n_groups)])
-        n_pre = int(plen.max())
-        pmask = torch.zeros((n_groups, 1, 1, n_pre))
-        pmask.masked_fill_((torch.arange(n_pre).unsqueeze(0) >= plen.unsqueeze(1)).view(n_groups, 1, 1, n_pre),
-                           float("-inf"))
+        # own part, rows padded to tq queries: query j of row r sees its own positions 0..own0[r] + j
+        # (a padded query sees 0..own0[r]); additive mask, none when every row has all its keys
+        lim = own0.unsqueeze(1) + torch.arange(tq).unsqueeze(0).minimum(torch.tensor(lens).unsqueeze(1) - 1)  # [bsz, tq]
+        omask = None
+        if tq > 1 or int(lim.min()) < n_own - 1:
+            omask = torch.zeros((bsz, 1, tq, 1, n_own))
+            omask.masked_fill_((torch.arange(n_own).view(1, 1, n_own) > lim.unsqueeze(2)).view(bsz, 1, tq, 1, n_own),
+                               float("-inf"))
+            omask = omask.expand(bsz, 1, tq, groups, n_own).reshape(bsz, 1, tq * groups, n_own)
+        # prefix part: tokens ordered by prefix slot (a slot's rows' tokens contiguous), one span per slot
+        starts = [0] * bsz
+        for r in range(1, bsz):
+            starts[r] = starts[r - 1] + lens[r - 1]
+        members: dict[int, list[int]] = {}
+        for r, s in enumerate(pslots):
+            members.setdefault(s, []).append(r)
+        order: list[int] = []
+        spans = []
+        for s in sorted(members):
+            a = len(order)
+            for r in members[s]:
+                order.extend(range(starts[r], starts[r] + lens[r]))
+            spans.append((a, len(order), s, prefix_len.get(s, 0)))
+        ordered = order != list(range(n_tok))
+        order_t = torch.tensor(order, dtype=torch.long)
+        back = torch.argsort(order_t) if ordered else None
+        own_at = slot_of[order_t]  # the ordered tokens' places in the padded own layout
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        pad = torch.zeros((1, self.nkv, tq, groups, self.hd))
         single = tq == 1
 
         def write(i, k, v):
@@ -341,8 +386,7 @@ class _LeanLM:
         def attend(i, q):
             kb, vb = self.kv[i]
             pk, pv = self.pkv[i]
-            # grouped-query heads folded into the query-length axis: q head h reads kv head h // groups;
-            # a row's tokens [tq] lie next to its heads on that axis
+            # grouped-query heads folded into the query-length axis: q head h reads kv head h // groups
             if single:
                 q5 = q.reshape(bsz, 1, self.nkv, groups, self.hd)
             else:
@@ -350,20 +394,30 @@ class _LeanLM:
                 q5[slot_of] = q.reshape(n_tok, self.nkv, groups, self.hd)
                 q5 = q5.view(bsz, tq, self.nkv, groups, self.hd)
             q5 = q5.transpose(1, 2)  # [bsz, nkv, tq, groups, hd]
-            qg = torch.cat([q5, pad])[gather].view(n_groups, m, self.nkv, tq * groups, self.hd).transpose(1, 2)
-            op, lp = flash(qg.reshape(n_groups, self.nkv, m * tq * groups, self.hd), pk[:n_groups, :, :n_pre],
-                           pv[:n_groups, :, :n_pre], attn_mask=pmask, scale=self.scale)
             oo, lo = flash(q5.reshape(bsz, self.nkv, tq * groups, self.hd), kb[:bsz, :, :n_own], vb[:bsz, :, :n_own],
                            attn_mask=omask, scale=self.scale)
-            op = op.reshape(n_groups, self.nkv, m, tq * groups, self.hd).transpose(1, 2).reshape(
-                -1, self.nkv, tq * groups, self.hd)[back]
-            lp = lp.reshape(n_groups, self.nkv, m, tq * groups).transpose(1, 2).reshape(-1, self.nkv, tq * groups)[back]
+            # own part in token order [n_tok (ordered), nkv, groups, hd]
+            oo = oo.view(bsz, self.nkv, tq, groups, self.hd).transpose(1, 2).reshape(bsz * tq, self.nkv, groups, self.hd)[own_at]
+            lo = lo.view(bsz, self.nkv, tq, groups).transpose(1, 2).reshape(bsz * tq, self.nkv, groups)[own_at]
+            qp = q.reshape(n_tok, self.nkv, groups, self.hd).transpose(0, 1)  # [nkv, n_tok, groups, hd]
+            qp = qp[:, order_t] if ordered else qp.contiguous()
+            ops, lps = [], []
+            for a, b, s, plen in spans:
+                if plen <= 0:
+                    ops.append(oo.new_zeros((b - a, self.nkv, groups, self.hd)))
+                    lps.append(lo.new_full((b - a, self.nkv, groups), float("-inf")))
+                    continue
+                o, lse = flash(qp[:, a:b].reshape(1, self.nkv, (b - a) * groups, self.hd), pk[s: s + 1, :, :plen],
+                               pv[s: s + 1, :, :plen], scale=self.scale)
+                ops.append(o[0].view(self.nkv, b - a, groups, self.hd).transpose(0, 1))
+                lps.append(lse[0].view(self.nkv, b - a, groups).transpose(0, 1))
+            op = torch.cat(ops) if len(ops) > 1 else ops[0]
+            lp = torch.cat(lps) if len(lps) > 1 else lps[0]
             # softmax over both parts: weight of the prefix part = e^lp / (e^lp + e^lo)
-            o = torch.lerp(oo, op, torch.sigmoid(lp - lo).unsqueeze(-1))  # [bsz, nkv, tq * groups, hd]
-            o = o.view(bsz, self.nkv, tq, groups, self.hd).transpose(1, 2)  # [bsz, tq, nkv, groups, hd]
-            if single:
-                return o.reshape(bsz, self.nh * self.hd)
-            return o.reshape(bsz * tq, self.nh * self.hd)[slot_of]
+            o = torch.lerp(oo, op, torch.sigmoid(lp - lo).unsqueeze(-1))  # [n_tok (ordered), nkv, groups, hd]
+            if ordered:
+                o = o[back]
+            return o.reshape(n_tok, self.nh * self.hd)
 
         x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
         return self.logits(x)
