@@ -200,3 +200,53 @@ def test_readmitted_user_comes_back_on_purpose(tmp_path):
     store = TableStore(root)
     store.replace("turns", _rows(["alice"], tag="again"))
     assert store.users_in("turns") == ["alice"]
+
+
+def test_a_forget_whose_old_checkpoint_another_forget_removed_first_still_lands(tmp_path, monkeypatch):
+    """Two forgets list the same Delta log; the other one deletes an old checkpoint first. Seen in a
+    suite run as FileNotFoundError out of scrub_log: the file being gone is what the delete wanted."""
+    import pyarrow.fs as pafs
+
+    from qumem_pipeline.storage import forget as forget_mod
+
+    root = tmp_path / "data"
+    store = TableStore(root, n_buckets=4)
+    for tag in ("v1", "v2", "v3"):
+        store.replace("turns", _rows(["alice", "bob"], tag=tag))
+        store._open("turns").create_checkpoint()  # older checkpoints for the scrub to remove
+    raced: list[str] = []
+
+    class _OtherForgetFirst:  # the log's filesystem as scrub_log sees it
+        def __init__(self, fs):
+            self._fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self._fs, name)
+
+        def delete_file(self, path):
+            self._fs.delete_file(path)  # the other forget's delete ...
+            raced.append(path)
+            return self._fs.delete_file(path)  # ... then ours: FileNotFoundError
+
+    class _Store:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def filesystem(self):
+            fs, base = self._inner.filesystem()
+            return _OtherForgetFirst(fs), base
+
+    real_scrub = forget_mod.scrub_log
+    monkeypatch.setattr(forget_mod, "scrub_log", lambda st, table, needles: real_scrub(_Store(st), table, needles))
+    forget_user(root, None, "alice")
+    assert any("/turns/_delta_log/" in p and ".checkpoint." in p for p in raced), raced  # the race was exercised
+    assert all(not Path(p).exists() for p in raced)
+    fresh = TableStore(root)
+    assert "alice" not in fresh.users_in("turns") and "bob" in fresh.users_in("turns")
+    fs, base = fresh.filesystem()
+    log = [i for i in fs.get_file_info(pafs.FileSelector(f"{base}/turns/_delta_log")) if i.type == pafs.FileType.File]
+    assert not any("alice" in fs.open_input_stream(i.path).read().decode("utf-8", "replace") for i in log
+                   if i.base_name.endswith(".json"))

@@ -121,7 +121,10 @@ def scrub_log(store: TableStore, table: str, needles: list[str]) -> int:
         if info.type != pafs.FileType.File:
             continue
         if ".checkpoint." in info.base_name and int(info.base_name.split(".")[0]) < latest_cp:
-            fs.delete_file(info.path)
+            try:
+                fs.delete_file(info.path)
+            except FileNotFoundError:  # a concurrent forget removed it between our listing and here: gone either way
+                pass
             continue
         if not info.base_name.endswith(".json") or info.base_name.startswith("_"):
             continue
