@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 
 from qumem_pipeline.episodes.continuity.decoding import DecisionRule, as_rule
+from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
 from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.contracts.stage_versions import stage_version
 
@@ -295,8 +296,6 @@ def build_episodes_for_users(
     utterance lists -> their base-MiniLM embeddings (``clf.history_embeddings``); called once for all
     users when the rule has block features (the cosine then comes from the same embeddings).
     """
-    from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
-
     rule = _one_rule(rule, threshold)
     if rule.needs_embeddings and embed_histories is None:
         raise ValueError(f"the decision rule ({rule.describe()}) needs embed_histories= "

@@ -1,9 +1,9 @@
 """Per-gap features for the learned decision rule (:class:`~.decoding.LearnedScore`), numpy only.
 
-A gap ``i`` joins utterances ``i`` and ``i + 1`` of one history. Every feature is computed from the
-two sequences the episodes stage already has for a history — the classifier's P(same) ``p`` and the
-base-MiniLM adjacent cosine ``c`` (:mod:`.similarity`) — so a learned rule costs the stage nothing
-beyond the similarity dips' rule. Names are plain strings stored in the artifact's ``decision``
+A gap ``i`` joins utterances ``i`` and ``i + 1`` of one history. Every feature is computed from what the
+episodes stage has for a history — the classifier's P(same) ``p``, and the base-MiniLM embeddings of its
+utterances (:mod:`.similarity`), which give the adjacent cosine ``c`` and the block cosines — so a learned
+rule costs the stage one sentence-encoder pass over the user texts, as the similarity dips did. Names are plain strings stored in the artifact's ``decision``
 block; a name this code does not know is an error at load, never silently zero.
 
 Names (``k``: a window, gaps on each side):

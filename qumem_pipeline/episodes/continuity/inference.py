@@ -167,15 +167,17 @@ class ContinuityClassifier:
         enc = self.sentence_encoder()
         return history_embeddings(histories, lambda texts: enc.encode(texts, batch_size=batch_size))
 
-    def history_signals(self, histories: Sequence[Sequence[str]], batch_size: int = 64):
+    def history_signals(self, histories: Sequence[Sequence[str]], batch_size: int = 64, *,
+                        cosine: bool | None = None, embeddings: bool | None = None):
         """Per history (its utterances in order): (P(same) per gap, cosine per gap or None, utterance
-        embeddings or None) — what this classifier's rule reads, computed as the episodes stage does."""
+        embeddings or None), computed as the episodes stage does. ``cosine`` / ``embeddings``: whether to
+        compute them (None: as this classifier's rule needs); with embeddings the cosine comes from them."""
+        embeddings = self.rule.needs_embeddings if embeddings is None else embeddings
+        cosine = self.rule.needs_similarity if cosine is None else cosine
         pairs = [(h[i], h[i + 1]) for h in histories for i in range(len(h) - 1)]
         probs = self.predict_same_proba(pairs, batch_size) if pairs else np.zeros(0, np.float32)
-        embs = self.history_embeddings(histories) if self.rule.needs_embeddings else [None] * len(histories)
-        cos = None
-        if self.rule.needs_similarity and not self.rule.needs_embeddings:
-            cos = self.pair_cosine(pairs)
+        embs = self.history_embeddings(histories) if embeddings else [None] * len(histories)
+        cos = self.pair_cosine(pairs) if cosine and not embeddings else None
         out, pos = [], 0
         for h, e in zip(histories, embs):
             n = max(len(h) - 1, 0)

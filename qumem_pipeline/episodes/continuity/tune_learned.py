@@ -43,7 +43,7 @@ import numpy as np
 from qumem_pipeline.episodes.continuity.decoding import DecisionRule, LearnedScore, artifact_version
 from qumem_pipeline.episodes.continuity.gap_features import feature_matrix
 from qumem_pipeline.episodes.continuity.tune_decoding import (LEARNED_CUTOFFS, N_FOLDS, PkScorer, _balanced_fit,
-                                                              _decode, _rounded, rule_metrics, versioned_config,
+                                                              _decode, _rounded, versioned_config,
                                                               write_config_atomic)
 
 SETS = ("train", "dev", "test", "ood_calib", "ood_eval", "gen_calib", "gen_eval")
@@ -82,23 +82,14 @@ def load_sets(seed: int | None = None) -> dict:
 
 
 def compute_signals(clf) -> dict:
-    """Per set: P(same), adjacent cosine and utterance embeddings per dialogue, and the references."""
-    from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
-
+    """Per set: P(same), adjacent cosine and utterance embeddings per dialogue (as the episodes stage
+    computes them: ``clf.history_signals``), and the references."""
     out = {"version": clf.version, "weights_version": clf.config.get("weights_version")}
     for name, ds in load_sets().items():
         t0 = time.time()
-        hist = [list(d.utterances) for d in ds]
-        pairs = [(h[i], h[i + 1]) for h in hist for i in range(len(h) - 1)]
-        flat = clf.predict_same_proba(pairs, batch_size=64)
-        embs = clf.history_embeddings(hist)
-        p, pos = [], 0
-        for h in hist:
-            p.append(flat[pos : pos + len(h) - 1])
-            pos += len(h) - 1
-        out[name] = {"p": p, "c": [adjacent_cosine(e) for e in embs], "emb": embs,
-                     "refs": [list(d.boundaries) for d in ds]}
-        print(f"signals {name}: {len(pairs)} gaps, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        p, c, e = zip(*clf.history_signals([list(d.utterances) for d in ds], embeddings=True))
+        out[name] = {"p": list(p), "c": list(c), "emb": list(e), "refs": [list(d.boundaries) for d in ds]}
+        print(f"signals {name}: {sum(len(x) for x in p)} gaps, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
@@ -194,22 +185,17 @@ def choose_learned_block(rule: DecisionRule, S: dict, feature_sets: dict[str, tu
 
 
 def report_table(S: dict, rules: dict[str, DecisionRule]) -> dict:
-    """Pk / WindowDiff / F1 per rule and set, from the cached signals."""
+    """Pk / WindowDiff / F1 per rule and set, from the cached signals (each rule reads what it needs)."""
+    from qumem_pipeline.episodes.metrics import evaluate
+
     out = {}
     for label, r in rules.items():
         out[label] = {}
         for n in REPORT:
             d = S[n]
-            m = rule_metrics(r, d["p"], d["refs"], d["c"]) if not r.needs_embeddings else _metrics_emb(r, d)
-            out[label][n] = _rounded(m)
+            s = evaluate(d["refs"], [r.boundaries(p, c, e) for p, c, e in zip(d["p"], d["c"], d["emb"])])
+            out[label][n] = _rounded({"pk": s.pk, "windowdiff": s.windowdiff, "f1": s.f1})
     return out
-
-
-def _metrics_emb(rule: DecisionRule, d: dict) -> dict:
-    from qumem_pipeline.episodes.metrics import evaluate
-
-    s = evaluate(d["refs"], [rule.boundaries(p, c, e) for p, c, e in zip(d["p"], d["c"], d["emb"])])
-    return {"pk": s.pk, "windowdiff": s.windowdiff, "f1": s.f1, "precision": s.precision, "recall": s.recall}
 
 
 def print_table(table: dict) -> None:

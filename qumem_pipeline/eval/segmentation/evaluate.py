@@ -39,19 +39,8 @@ def classifier_boundaries(dialogues: list[Dialogue], classifier, batch_size: int
     """All pairs of all dialogues in one batched pass; then the decision rule per dialogue (with the
     classifier's base-MiniLM cosines when the rule has similarity dips, as the episodes stage does)."""
     rule = classifier_rule(classifier)
-    if hasattr(classifier, "history_signals"):
-        signals = classifier.history_signals([list(d.utterances) for d in dialogues], batch_size)
-        return [[int(x) for x in rule.boundaries(p, c, e)] for p, c, e in signals]
-    pairs = [(d.utterances[i], d.utterances[i + 1]) for d in dialogues for i in range(len(d.utterances) - 1)]
-    p_same = classifier.predict_same_proba(pairs, batch_size=batch_size) if pairs else np.zeros(0, np.float32)
-    cos = classifier.pair_cosine(pairs) if rule.needs_similarity else None
-    hyps, pos = [], 0
-    for d in dialogues:
-        n = max(0, len(d.utterances) - 1)
-        c = None if cos is None else cos[pos : pos + n]
-        hyps.append([int(x) for x in rule.boundaries(p_same[pos : pos + n], c)])
-        pos += n
-    return hyps
+    signals = classifier.history_signals([list(d.utterances) for d in dialogues], batch_size)
+    return [[int(x) for x in rule.boundaries(p, c, e)] for p, c, e in signals]
 
 
 def texttiling_boundaries(dialogues: list[Dialogue], embedder=None, window: int = 2) -> list[list[int]]:

@@ -57,19 +57,6 @@ def scores_dict(s: Scores) -> dict:
             "precision": _r(s.precision), "recall": _r(s.recall)}
 
 
-def per_dialogue(flat: np.ndarray, dialogues: list[Dialogue]) -> list[np.ndarray]:
-    out, pos = [], 0
-    for d in dialogues:
-        n = max(0, len(d.utterances) - 1)
-        out.append(np.asarray(flat[pos : pos + n]))
-        pos += n
-    return out
-
-
-def adjacent_pairs(dialogues: list[Dialogue]) -> list[tuple[str, str]]:
-    return [(d.utterances[i], d.utterances[i + 1]) for d in dialogues for i in range(len(d.utterances) - 1)]
-
-
 def adjacent_similarity(dialogues: list[Dialogue], embedder) -> list[np.ndarray]:
     """Cosine of adjacent utterances' MiniLM embeddings, per dialogue (one batched encode)."""
     flat = [u for d in dialogues for u in d.utterances]
@@ -107,16 +94,10 @@ def baseline_hyps(dialogues: list[Dialogue], sims: list[np.ndarray], sim_thresho
 def classifier_signals(clf, dialogues: list[Dialogue], batch_size: int = 64, with_cosine: bool = True,
                        with_embeddings: bool = False):
     """(P(same), cosine or None, utterance embeddings or None) per dialogue, as the episodes stage
-    computes them (with embeddings, the cosine comes from them, as there)."""
-    from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
-
-    pairs = adjacent_pairs(dialogues)
-    p = per_dialogue(clf.predict_same_proba(pairs, batch_size=batch_size), dialogues)
-    if with_embeddings:
-        e = clf.history_embeddings([list(d.utterances) for d in dialogues])
-        return p, [adjacent_cosine(x) for x in e], e
-    c = per_dialogue(clf.pair_cosine(pairs), dialogues) if with_cosine else [None] * len(dialogues)
-    return p, c, [None] * len(dialogues)
+    computes them (``clf.history_signals``)."""
+    signals = clf.history_signals([list(d.utterances) for d in dialogues], batch_size, cosine=with_cosine,
+                                  embeddings=with_embeddings)
+    return tuple(list(x) for x in zip(*signals)) if signals else ([], [], [])
 
 
 def classifier_hyps(clf, dialogues: list[Dialogue], batch_size: int = 64) -> list[list[int]]:
