@@ -348,29 +348,8 @@ class _LeanLM:
         slot_of = flat_row * tq + flat_j  # a token's place in the padded [bsz, tq] layout
         n_own = int(own.max()) + 1
         groups = self.nh // self.nkv
-        # own part, rows padded to tq queries: query j of row r sees its own positions 0..own0[r] + j
-        # (a padded query sees 0..own0[r]); additive mask, none when every row has all its keys
-        lim = own0.unsqueeze(1) + torch.arange(tq).unsqueeze(0).minimum(torch.tensor(lens).unsqueeze(1) - 1)  # [bsz, tq]
-        omask = None
-        if tq > 1 or int(lim.min()) < n_own - 1:
-            omask = torch.zeros((bsz, 1, tq, 1, n_own))
-            omask.masked_fill_((torch.arange(n_own).view(1, 1, n_own) > lim.unsqueeze(2)).view(bsz, 1, tq, 1, n_own),
-                               float("-inf"))
-            omask = omask.expand(bsz, 1, tq, groups, n_own).reshape(bsz, 1, tq * groups, n_own)
-        # prefix part: tokens ordered by prefix slot (a slot's rows' tokens contiguous), one span per slot
-        starts = [0] * bsz
-        for r in range(1, bsz):
-            starts[r] = starts[r - 1] + lens[r - 1]
-        members: dict[int, list[int]] = {}
-        for r, s in enumerate(pslots):
-            members.setdefault(s, []).append(r)
-        order: list[int] = []
-        spans = []
-        for s in sorted(members):
-            a = len(order)
-            for r in members[s]:
-                order.extend(range(starts[r], starts[r] + lens[r]))
-            spans.append((a, len(order), s, prefix_len.get(s, 0)))
+        omask = _own_mask(own0, lens, n_own, groups)
+        order, spans = _prefix_spans(lens, pslots, prefix_len)
         ordered = order != list(range(n_tok))
         order_t = torch.tensor(order, dtype=torch.long)
         back = torch.argsort(order_t) if ordered else None
@@ -421,6 +400,41 @@ class _LeanLM:
 
         x = self._layers(F.embedding(ids, self.embed), pos, write, attend)
         return self.logits(x)
+
+
+def _own_mask(own0, lens: list[int], n_own: int, groups: int):
+    """Additive mask of decode's own-positions attention, rows padded to max(lens) queries: query j of
+    row r sees its own positions 0..own0[r] + j (a padded query sees 0..own0[r]); None when every query
+    sees all n_own keys. Shape [rows, 1, max(lens) * groups, n_own] (grouped-query heads on the query axis)."""
+    import torch
+
+    bsz, tq = len(lens), max(lens)
+    lim = own0.unsqueeze(1) + torch.arange(tq).unsqueeze(0).minimum(torch.tensor(lens).unsqueeze(1) - 1)  # [bsz, tq]
+    if tq == 1 and int(lim.min()) >= n_own - 1:
+        return None
+    omask = torch.zeros((bsz, 1, tq, 1, n_own))
+    omask.masked_fill_((torch.arange(n_own).view(1, 1, n_own) > lim.unsqueeze(2)).view(bsz, 1, tq, 1, n_own),
+                       float("-inf"))
+    return omask.expand(bsz, 1, tq, groups, n_own).reshape(bsz, 1, tq * groups, n_own)
+
+
+def _prefix_spans(lens: list[int], pslots: list[int], prefix_len: dict[int, int]):
+    """Decode's prefix part: the step's tokens (row-major) ordered by prefix slot, so each slot's rows'
+    tokens are contiguous, and one (start, end, slot, prefix length) span per slot in use."""
+    starts = [0] * len(lens)
+    for r in range(1, len(lens)):
+        starts[r] = starts[r - 1] + lens[r - 1]
+    members: dict[int, list[int]] = {}
+    for r, s in enumerate(pslots):
+        members.setdefault(s, []).append(r)
+    order: list[int] = []
+    spans = []
+    for s in sorted(members):
+        a = len(order)
+        for r in members[s]:
+            order.extend(range(starts[r], starts[r] + lens[r]))
+        spans.append((a, len(order), s, prefix_len.get(s, 0)))
+    return order, spans
 
 
 @dataclass(eq=False)
