@@ -768,12 +768,17 @@ def _file_moved(exc: Exception) -> bool:
     return ".parquet" in msg and any(s in msg for s in ("not found", "no such file"))
 
 
+# A checkpoint read while another forget wrote the same version's checkpoint again: the load listed
+# one file's length and read the other's (tests/test_erasure_concurrency.py hit both messages).
+_TORN_CHECKPOINT_READ = ("requested range was invalid", "could not parse parquet metadata")
+
+
 def _log_moved(exc: Exception) -> bool:
-    """A log file this snapshot named is gone (a concurrent forget replaced the checkpoint it
-    loaded from): retry on a fresh load. Data files are never retried here."""
+    """A log file this snapshot named is gone or was replaced under the load (a concurrent forget
+    replaced the checkpoint it loaded from): retry on a fresh load. Data files are never retried here."""
     msg = str(exc).lower()
     return "_delta_log" in msg and any(s in msg for s in ("not found", "no such file", "does not exist")) \
-        or "invalid table version" in msg
+        or "invalid table version" in msg or any(s in msg for s in _TORN_CHECKPOINT_READ)
 
 
 def _backoff(attempt: int) -> None:
