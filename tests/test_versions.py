@@ -132,3 +132,41 @@ def test_llm_id_follows_the_environment_default_backend(monkeypatch):
     assert stage_versions.llm_model_id() == "openai:served-by:http://vllm-a:8000/v1"
     monkeypatch.setenv("QUMEM_LLM_BASE_URL", "http://vllm-b:8000/v1")
     assert stage_versions.stage_version("memories") != a
+
+
+def _dotted(path: Path) -> str:
+    rel = path.relative_to(stage_versions.PACKAGE_ROOT.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if path.name == "__init__.py" else rel.parts)
+
+
+def test_the_import_line_reader_finds_every_module_the_syntax_tree_finds():
+    """The cheap reader may only add names (an import line in a docstring), never a module file the
+    tree does not see, and it walks every stage to the same files."""
+    for path in sorted(stage_versions.PACKAGE_ROOT.rglob("*.py")):
+        by_tree = stage_versions._imported_modules_ast(path, _dotted(path))
+        by_lines = stage_versions._imported_modules(path, _dotted(path))
+        assert by_tree <= by_lines, (path, by_tree - by_lines)
+        assert all(stage_versions._module_file(m) is None for m in by_lines - by_tree), (path, by_lines - by_tree)
+    readers = (stage_versions._imported_modules, stage_versions._imported_modules_ast)
+    walks = []
+    for reader in readers:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(stage_versions, "_imported_modules", reader)
+            walks.append({s: stage_versions.stage_modules(s) for s in STAGES})
+    assert walks[0] == walks[1]
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from . import a, b as c\n", {"qumem_pipeline.x", "qumem_pipeline.x.a", "qumem_pipeline.x.b"}),
+    ("from ..y import (\n    z,  # a comment (with parens)\n    w,\n)\n",
+     {"qumem_pipeline.y", "qumem_pipeline.y.z", "qumem_pipeline.y.w"}),
+    ("def f():\n    import qumem_pipeline.q.r as s, os\n", {"qumem_pipeline.q.r"}),
+    ("from qumem_pipeline.m import \\\n    n\n", {"qumem_pipeline.m", "qumem_pipeline.m.n"}),  # the tree reads it
+    ("x = 1; from qumem_pipeline.k import v\n", {"qumem_pipeline.k", "qumem_pipeline.k.v"}),  # the tree reads it
+])
+def test_the_import_line_reader_on_the_forms_imports_take(tmp_path, source, expected):
+    path = tmp_path / "mod.py"
+    path.write_text(source)
+    dotted = "qumem_pipeline.x.mod"
+    assert stage_versions._imported_modules(path, dotted) == expected
+    assert stage_versions._imported_modules_ast(path, dotted) == expected
