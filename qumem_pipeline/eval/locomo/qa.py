@@ -168,253 +168,309 @@ def run_qa(
     ``decompose``, the episodes the record holds from that continuity classifier instead of the shipped
     classifier's (a recording run stores the episodes it decomposed, so its calls replay after the
     classifier changes)."""
-    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    from qumem_pipeline.eval.record import EvalRecord, RecordBackend, identity_from_runs
+    from qumem_pipeline.eval.record import EvalRecord
 
     if record is not None and not isinstance(record, EvalRecord):
         record = EvalRecord(record)
     if replay_only and record is None:
         raise ValueError("--replay-only needs a record (--record PATH, or the default eval_record/)")
-    report_out = Path(out) if out is not None else None
-    work = None
-    if replay_only:  # nothing of an earlier run is read: the record is the only source of model output
-        import tempfile
-
-        work = tempfile.TemporaryDirectory(prefix="qumem-replay-")
-        out = Path(work.name) / "replay.qa.json"
-        memories_out = None
-    t0 = time.perf_counter()
     strategies = list(dict.fromkeys(strategies))
     bad = set(strategies) - set(QA_STRATEGIES)
     if bad:
         raise ValueError(f"unknown QA strategies {sorted(bad)}; expected {QA_STRATEGIES}")
     if decompose and memories is not None:
         raise ValueError("give either a memories table or --decompose, not both")
-    paths = _paths(out)
-    paths["report"].parent.mkdir(parents=True, exist_ok=True)
-    convs, all_questions, load_info = load_questions(path, conversations=conversations, max_sessions=max_sessions,
-                                                     limit_conversations=limit_conversations)
-    selected = sample_questions(all_questions, sample_per_category, seed)
-    if question_keys is not None:
-        wanted = set(question_keys)
-        selected = [q for q in selected if q.key in wanted]
-    log(f"[qa] {len(convs)} conversations, {len(all_questions)} questions, {len(selected)} selected "
-        f"({'all' if sample_per_category is None else f'{sample_per_category} per category, seed {seed}'})")
-
-    ckpt = JsonlLog(paths["checkpoint"])
-    if ckpt.torn:
-        log(f"[qa] checkpoint {paths['checkpoint']}: cut a torn last line (interrupted write)")
-    done: dict[tuple[str, str], dict] = {}
-    stale = 0
-    for r in ckpt.rows():
-        if (r.get("answer_prompt_version") == ANSWER_PROMPT_VERSION
-                and r.get("strategy_version") == strategy_version(r["strategy"])):
-            done[(r["strategy"], r["key"])] = r
-        else:
-            stale += 1
-    skipped: dict = {}
-    if stale:
-        skipped["checkpoint_rows_other_version"] = stale
-
-    llm_holder: list = []
-
-    user_conv = {u: c.sample_id for c in convs for u in c.user_ids}
-
-    def llm():
-        if not llm_holder:
-            if replay_only:
-                ident = identity_from_runs(record, path, replay_model)
-                llm_holder.append(RecordBackend(None, record, ident, user_conv))
-            else:
-                b = LedgerBackend(llm_backend or make_backend(llm_kind), paths["ledger"])
-                llm_holder.append(RecordBackend(b, record, None, user_conv) if record is not None else b)
-        return llm_holder[0]
-
-    decompose_info = None
+    qa = _QARun(path, out=out, record=record, replay_only=replay_only, replay_model=replay_model,
+                llm_backend=llm_backend, llm_kind=llm_kind, log=log, device=device, embedder=embedder)
     try:
-        def todo_of(s: str) -> list[QAQuestion]:
-            return [q for q in selected if (s, q.key) not in done]
-
-        # ---- memories (only when a memory strategy still has questions to answer)
-        mem_df = None
-        episodes_by_user = None
-        episodes_used = None
-        want_mem = any(todo_of(s) for s in strategies if s in MEMORY_STRATEGIES or s == "adamem")
-        if want_mem and (memories is not None or decompose):
-            from qumem_pipeline.eval.locomo.data import read_memories
-            from qumem_pipeline.eval.locomo.sources import build_episodes, decompose_memories
-
-            if decompose:
-                mroot = Path(memories_out) if memories_out else paths["memories"]
-                need_users = [u for c in convs for u in c.user_ids]
-                missing = [u for u in need_users if u not in _existing_memory_users(mroot)]
-                if episodes_version is not None:
-                    episodes_by_user = _recorded_episodes(record, path, convs, episodes_version, max_sessions)
-                    clf_version = episodes_version
-                else:
-                    episodes_by_user, clf_version = build_episodes(convs, continuity_artifact, device, all_users=True)
-                episodes_used = clf_version
-                if missing:
-                    te = time.perf_counter()
-                    llm().tags = {"strategy": "decompose"}
-                    decompose_memories(convs, {u: e for u, e in episodes_by_user.items() if u in missing}, llm(), mroot,
-                                       llm_max_tokens, log)
-                    decompose_info = {"users_decomposed": missing, "memories_out": str(mroot),
-                                      "seconds_with_backend_start": round(time.perf_counter() - te, 1),
-                                      "continuity_classifier": clf_version}
-                    log(f"[qa] decomposed {len(missing)} users in {time.perf_counter() - te:.0f}s -> {mroot}")
-                else:
-                    decompose_info = {"users_decomposed": [], "memories_out": str(mroot), "reused": need_users}
-                    log(f"[qa] memories of all {len(need_users)} users already in {mroot}; not decomposed again")
-                memories = mroot
-            try:
-                mem_df = read_memories(memories)
-            except (FileNotFoundError, ValueError, OSError) as e:
-                skipped["memories"] = f"memories table unreadable: {e}"
-        for s in strategies:
-            if s in MEMORY_STRATEGIES and mem_df is None and todo_of(s):
-                skipped[f"strategy_{s}"] = skipped.get("memories") or (
-                    "needs typed memories: give --memories PARQUET_DIR or --decompose")
-        if "adamem" in strategies and mem_df is None and todo_of("adamem"):
-            skipped["adamem_without_memories"] = "no memories: adamem retrieved over turns only"
-        run = [s for s in strategies if f"strategy_{s}" not in skipped]
-
-        # ---- answering
-        total = sum(len(selected) for _ in run)
-        n_done = sum(1 for s in run for q in selected if (s, q.key) in done)
-        log(f"[qa] strategies {run}: {n_done}/{total} already answered (checkpoint {paths['checkpoint']})")
-        emb = None
-        counter = None
-        window = None
-        window_skips: dict[str, int] = defaultdict(int)
-        answered_now = 0
-        t_answer = None
-        conv_by_id = {c.sample_id: c for c in convs}
-        ctx_cache: dict[str, ConversationContext] = {}
-
-        def ctx_of(sample_id: str) -> ConversationContext:
-            nonlocal emb
-            if sample_id not in ctx_cache:
-                if emb is None:
-                    from qumem_pipeline.index.embeddings import Embedder
-
-                    emb = embedder or Embedder.load(device=device)
-                conv = conv_by_id[sample_id]
-                eps = (episodes_by_user or {}).get(conv.user_id)
-                ctx_cache[sample_id] = ConversationContext(conv, emb, mem_df, eps)
-            return ctx_cache[sample_id]
-
-        for s in run:
-            by_conv: dict[str, list[QAQuestion]] = defaultdict(list)
-            for q in todo_of(s):
-                by_conv[q.sample_id].append(q)
-            for sample_id, qs in by_conv.items():
-                cx = ctx_of(sample_id)
-                if s in MEMORY_STRATEGIES and cx.memories is None:
-                    skipped[f"strategy_{s}_{sample_id}"] = "no memories of this conversation's users"
-                    continue
-                if s == "full_history" and counter is None:
-                    counter = TokenCounter(os.environ.get("QUMEM_LLM_MODEL"))
-                    served = os.environ.get("QUMEM_VLLM_MAX_MODEL_LEN") if llm_backend is None else None
-                    window = context_tokens or (int(served) if served else None) or counter.window or DEFAULT_CONTEXT_TOKENS
-                for start in range(0, len(qs), chunk):
-                    part = qs[start : start + chunk]
-                    if t_answer is None:
-                        t_answer = time.perf_counter()
-                    backend = llm()
-                    backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
-                    contexts, meta = _contexts(s, cx, part, backend, words, emb)
-                    reqs, keep = [], []
-                    for q, c, m in zip(part, contexts, meta):
-                        msgs = answer_messages(c, q.question)
-                        if s == "full_history":
-                            m["prompt_tokens_counted"] = counter.count(msgs)
-                            if m["prompt_tokens_counted"] + ANSWER_MAX_TOKENS > window:
-                                window_skips[sample_id] += 1
-                                continue
-                        reqs.append(ChatRequest(f"{s}/{q.key}/answer", msgs, ANSWER_SCHEMA, ANSWER_MAX_TOKENS, "qa_answer",
-                                                metadata={"user_id": cx.conv.user_id}))
-                        keep.append((q, m))
-                    backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
-                    if s == "full_history" and reqs and start == 0:
-                        results = generate_with_retry(backend, reqs[:1]) + generate_with_retry(backend, reqs[1:])
-                    else:
-                        results = generate_with_retry(backend, reqs)
-                    rows = []
-                    for (q, m), r in zip(keep, results):
-                        pred = (r.parsed or {}).get("answer") if r.ok else None
-                        rows.append({"strategy": s, "key": q.key, "sample_id": q.sample_id, "category": q.category,
-                                     "question": q.question, "gold": q.gold, "prediction": pred,
-                                     "error": None if r.ok else r.error, **score_answer(pred, q.gold, q.category), **m,
-                                     "answer_prompt_tokens": r.prompt_tokens, "answer_completion_tokens": r.completion_tokens,
-                                     "model": backend.model_name, "answer_prompt_version": ANSWER_PROMPT_VERSION,
-                                     "strategy_version": strategy_version(s), "code_version": CODE_VERSION, "created_at": datetime.now(timezone.utc).isoformat()})
-                    ckpt.append(rows)
-                    for row in rows:
-                        done[(s, row["key"])] = row
-                    answered_now += len(rows)
-                    n_done += len(rows) + (len(part) - len(keep))
-                    el = time.perf_counter() - t_answer
-                    rate = answered_now / el if el > 0 else 0.0
-                    eta = (total - n_done) / rate if rate > 0 else float("nan")
-                    log(f"[qa] {s} {sample_id}: {n_done}/{total} done, {rate * 60:.1f} questions/min, "
-                        f"ETA {eta / 60:.1f} min (LLM calls sent {backend.sent}, replayed {backend.replayed})")
-        if window_skips:
-            skipped["full_history_over_context_window"] = {"questions": sum(window_skips.values()),
-                                                           "by_conversation": dict(window_skips),
-                                                           "window_tokens": window, "counted_by": counter.method}
+        qa.select(sample_per_category, seed, conversations, max_sessions, limit_conversations, question_keys)
+        qa.prepare_memories(strategies, memories, decompose, memories_out, continuity_artifact, episodes_version,
+                            llm_max_tokens)
+        run = qa.runnable(strategies)
+        qa.answer(run, words, chunk, context_tokens)
     finally:
-        for b in llm_holder:
+        qa.close()  # before the report: the record's part of it counts what the backend flushed on close
+    settings = {"max_sessions": max_sessions, "words": words, "chunk": chunk, "context_tokens": context_tokens,
+                "llm_max_tokens": llm_max_tokens, "decompose": bool(decompose),
+                "memories": None if decompose or memories is None else str(memories)}
+    return qa.report(run, strategies, settings, cover, sample_per_category, seed, words, retrieval_report)
+
+
+class _QARun:
+    """One `run_qa` call's state: its questions, what the checkpoint already answered, the backend
+    (opened on first use), the memories and episodes, and what was skipped and why."""
+
+    def __init__(self, path: str, *, out, record, replay_only: bool, replay_model, llm_backend, llm_kind, log,
+                 device, embedder):
+        self.path, self.record, self.replay_only, self.replay_model = path, record, replay_only, replay_model
+        self.llm_backend, self.llm_kind, self.device, self.embedder = llm_backend, llm_kind, device, embedder
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.t0 = time.perf_counter()
+        self.report_out = Path(out) if out is not None else None
+        self.work = None
+        if replay_only:  # nothing of an earlier run is read: the record is the only source of model output
+            import tempfile
+
+            self.work = tempfile.TemporaryDirectory(prefix="qumem-replay-")
+            out = Path(self.work.name) / "replay.qa.json"
+        self.paths = _paths(out)
+        self.paths["report"].parent.mkdir(parents=True, exist_ok=True)
+        self._llm: list = []
+        self.skipped: dict = {}
+        self.mem_df = self.episodes_by_user = self.episodes_used = self.decompose_info = self.memories = None
+        self.decompose = False
+
+    # ---- questions and what is answered already
+    def select(self, sample_per_category, seed, conversations, max_sessions, limit_conversations, question_keys) -> None:
+        self.max_sessions = max_sessions
+        self.convs, all_questions, self.load_info = load_questions(
+            self.path, conversations=conversations, max_sessions=max_sessions, limit_conversations=limit_conversations)
+        selected = sample_questions(all_questions, sample_per_category, seed)
+        if question_keys is not None:
+            wanted = set(question_keys)
+            selected = [q for q in selected if q.key in wanted]
+        self.selected = selected
+        self.log(f"[qa] {len(self.convs)} conversations, {len(all_questions)} questions, {len(selected)} selected "
+                 f"({'all' if sample_per_category is None else f'{sample_per_category} per category, seed {seed}'})")
+        self.user_conv = {u: c.sample_id for c in self.convs for u in c.user_ids}
+        self.ckpt = JsonlLog(self.paths["checkpoint"])
+        if self.ckpt.torn:
+            self.log(f"[qa] checkpoint {self.paths['checkpoint']}: cut a torn last line (interrupted write)")
+        self.done: dict[tuple[str, str], dict] = {}
+        stale = 0
+        for r in self.ckpt.rows():
+            if (r.get("answer_prompt_version") == ANSWER_PROMPT_VERSION
+                    and r.get("strategy_version") == strategy_version(r["strategy"])):
+                self.done[(r["strategy"], r["key"])] = r
+            else:
+                stale += 1
+        if stale:
+            self.skipped["checkpoint_rows_other_version"] = stale
+
+    def todo(self, strategy: str) -> list[QAQuestion]:
+        return [q for q in self.selected if (strategy, q.key) not in self.done]
+
+    def llm(self):
+        """The backend, opened on first use: the record alone when replaying, else the configured one
+        behind the ledger (and the record, when there is one)."""
+        from qumem_pipeline.eval.record import RecordBackend, identity_from_runs
+
+        if not self._llm:
+            if self.replay_only:
+                ident = identity_from_runs(self.record, self.path, self.replay_model)
+                self._llm.append(RecordBackend(None, self.record, ident, self.user_conv))
+            else:
+                b = LedgerBackend(self.llm_backend or make_backend(self.llm_kind), self.paths["ledger"])
+                self._llm.append(RecordBackend(b, self.record, None, self.user_conv) if self.record is not None else b)
+        return self._llm[0]
+
+    def close(self) -> None:
+        for b in self._llm:
             b.close()
 
-    replay_info = None
-    if replay_only:
-        replay_info, selected, convs_kept = _replay_summary(llm_holder[0] if llm_holder else None, selected, convs,
-                                                             cover, record, path, max_sessions, llm_max_tokens,
-                                                             memories if decompose else None)
-    report = build_report(selected, run, done, skipped, strategies)
-    report["n_scored"] = report["n_questions"]
-    if replay_info is not None:
-        report["replay"] = replay_info
-    elif record is not None and llm_holder:
-        settings = {"max_sessions": max_sessions, "words": words, "chunk": chunk, "context_tokens": context_tokens,
-                    "llm_max_tokens": llm_max_tokens, "decompose": bool(decompose),
-                    "memories": None if decompose or memories is None else str(memories)}
-        if decompose and episodes_used:
-            settings["episodes_version"] = episodes_used
-        report["record"] = _record_run(llm_holder[0], record, path, convs, selected, run, done, memories if decompose
-                                       else None, settings, episodes_by_user if decompose else None)
-    ledger_rows = JsonlLog(paths["ledger"]).rows() if paths["ledger"].exists() else []
-    report.update({
-        "dataset": str(path), **load_info, "n_conversations": len(convs), "seed": seed, "decomposition": decompose_info,
-        "sample_per_category": sample_per_category, "words_budget": words,
-        "model": llm_holder[0].model_name if llm_holder else (next(iter(done.values()))["model"] if done else None),
-        "answer_prompt_version": ANSWER_PROMPT_VERSION, "memories": str(memories) if memories is not None else None,
-        "memory_keys": {"source_weight": SOURCE_WEIGHT,
-                        "rule": "topk_memories and qumem rank memories by normalize(text + w * normalize(mean of "
-                                "source turns)); adamem by their text"},
-        "checkpoint": str(paths["checkpoint"]), "ledger": str(paths["ledger"]), "html": str(paths["html"]),
-        "llm_calls": {"sent_this_run": llm_holder[0].sent if llm_holder else 0,
-                      "replayed_this_run": llm_holder[0].replayed if llm_holder else 0,
-                      "by_strategy_this_run": {k: dict(v) for k, v in llm_holder[0].used.items()} if llm_holder else {},
-                      "ledger_rows": len(ledger_rows),
-                      "ledger_by_strategy": _ledger_totals(ledger_rows)},
-        "wall_s": round(time.perf_counter() - t0, 1),
-    })
-    from qumem_pipeline.eval.locomo.qa_report import write_html
+    # ---- memories
+    def prepare_memories(self, strategies, memories, decompose, memories_out, continuity_artifact, episodes_version,
+                         llm_max_tokens) -> None:
+        """The memories table (decomposed now for the users it lacks, with ``decompose``), read only
+        when a memory strategy still has questions to answer."""
+        self.decompose, self.llm_max_tokens, self.episodes_version = decompose, llm_max_tokens, episodes_version
+        if self.replay_only:
+            memories_out = None
+        want = any(self.todo(s) for s in strategies if s in MEMORY_STRATEGIES or s == "adamem")
+        if want and (memories is not None or decompose):
+            from qumem_pipeline.eval.locomo.data import read_memories
 
-    if replay_only:  # the work directory goes; the report goes where --out said, if anywhere
-        report.update({"checkpoint": None, "ledger": None, "html": None})
-        if report_out is not None and report_out.suffix == ".json":
-            report_out.parent.mkdir(parents=True, exist_ok=True)
-            report_out.write_text(json.dumps(report, indent=2, default=str))
-        work.cleanup()
+            if decompose:
+                memories = self._decompose(Path(memories_out) if memories_out else self.paths["memories"],
+                                           continuity_artifact, episodes_version, llm_max_tokens)
+            try:
+                self.mem_df = read_memories(memories)
+            except (FileNotFoundError, ValueError, OSError) as e:
+                self.skipped["memories"] = f"memories table unreadable: {e}"
+        self.memories = memories
+
+    def _decompose(self, mroot: Path, continuity_artifact, episodes_version, llm_max_tokens) -> Path:
+        from qumem_pipeline.eval.locomo.sources import build_episodes, decompose_memories
+
+        need_users = [u for c in self.convs for u in c.user_ids]
+        missing = [u for u in need_users if u not in _existing_memory_users(mroot)]
+        if episodes_version is not None:
+            self.episodes_by_user = _recorded_episodes(self.record, self.path, self.convs, episodes_version,
+                                                       self.max_sessions)
+            clf_version = episodes_version
+        else:
+            self.episodes_by_user, clf_version = build_episodes(self.convs, continuity_artifact, self.device,
+                                                                all_users=True)
+        self.episodes_used = clf_version
+        if not missing:
+            self.decompose_info = {"users_decomposed": [], "memories_out": str(mroot), "reused": need_users}
+            self.log(f"[qa] memories of all {len(need_users)} users already in {mroot}; not decomposed again")
+            return mroot
+        te = time.perf_counter()
+        self.llm().tags = {"strategy": "decompose"}
+        decompose_memories(self.convs, {u: e for u, e in self.episodes_by_user.items() if u in missing}, self.llm(),
+                           mroot, llm_max_tokens, self.log)
+        self.decompose_info = {"users_decomposed": missing, "memories_out": str(mroot),
+                               "seconds_with_backend_start": round(time.perf_counter() - te, 1),
+                               "continuity_classifier": clf_version}
+        self.log(f"[qa] decomposed {len(missing)} users in {time.perf_counter() - te:.0f}s -> {mroot}")
+        return mroot
+
+    def runnable(self, strategies: list[str]) -> list[str]:
+        """The strategies that can run; the others are in `skipped` with the reason."""
+        for s in strategies:
+            if s in MEMORY_STRATEGIES and self.mem_df is None and self.todo(s):
+                self.skipped[f"strategy_{s}"] = self.skipped.get("memories") or (
+                    "needs typed memories: give --memories PARQUET_DIR or --decompose")
+        if "adamem" in strategies and self.mem_df is None and self.todo("adamem"):
+            self.skipped["adamem_without_memories"] = "no memories: adamem retrieved over turns only"
+        return [s for s in strategies if f"strategy_{s}" not in self.skipped]
+
+    # ---- answering
+    def answer(self, run: list[str], words: int, chunk: int, context_tokens: int | None) -> None:
+        """Every question still to answer, strategy by strategy and conversation by conversation, in
+        chunks; each chunk's rows go to the checkpoint as soon as it is back."""
+        self.total = sum(len(self.selected) for _ in run)
+        self.n_done = sum(1 for s in run for q in self.selected if (s, q.key) in self.done)
+        self.log(f"[qa] strategies {run}: {self.n_done}/{self.total} already answered (checkpoint {self.paths['checkpoint']})")
+        self.emb, self.counter, self.window = None, None, None
+        self.window_skips: dict[str, int] = defaultdict(int)
+        self.answered_now, self.t_answer = 0, None
+        self.conv_by_id = {c.sample_id: c for c in self.convs}
+        self.ctx_cache: dict[str, ConversationContext] = {}
+        for s in run:
+            by_conv: dict[str, list[QAQuestion]] = defaultdict(list)
+            for q in self.todo(s):
+                by_conv[q.sample_id].append(q)
+            for sample_id, qs in by_conv.items():
+                cx = self._context(sample_id)
+                if s in MEMORY_STRATEGIES and cx.memories is None:
+                    self.skipped[f"strategy_{s}_{sample_id}"] = "no memories of this conversation's users"
+                    continue
+                if s == "full_history" and self.counter is None:
+                    self.counter = TokenCounter(os.environ.get("QUMEM_LLM_MODEL"))
+                    served = os.environ.get("QUMEM_VLLM_MAX_MODEL_LEN") if self.llm_backend is None else None
+                    self.window = (context_tokens or (int(served) if served else None) or self.counter.window
+                                   or DEFAULT_CONTEXT_TOKENS)
+                for start in range(0, len(qs), chunk):
+                    self._answer_chunk(s, cx, qs[start : start + chunk], start == 0, words)
+        if self.window_skips:
+            self.skipped["full_history_over_context_window"] = {
+                "questions": sum(self.window_skips.values()), "by_conversation": dict(self.window_skips),
+                "window_tokens": self.window, "counted_by": self.counter.method}
+
+    def _context(self, sample_id: str) -> ConversationContext:
+        if sample_id not in self.ctx_cache:
+            if self.emb is None:
+                from qumem_pipeline.index.embeddings import Embedder
+
+                self.emb = self.embedder or Embedder.load(device=self.device)
+            conv = self.conv_by_id[sample_id]
+            eps = (self.episodes_by_user or {}).get(conv.user_id)
+            self.ctx_cache[sample_id] = ConversationContext(conv, self.emb, self.mem_df, eps)
+        return self.ctx_cache[sample_id]
+
+    def _answer_chunk(self, s: str, cx: ConversationContext, part: list[QAQuestion], first: bool, words: int) -> None:
+        if self.t_answer is None:
+            self.t_answer = time.perf_counter()
+        backend = self.llm()
+        backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
+        contexts, meta = _contexts(s, cx, part, backend, words, self.emb)
+        reqs, keep = [], []
+        for q, c, m in zip(part, contexts, meta):
+            msgs = answer_messages(c, q.question)
+            if s == "full_history":
+                m["prompt_tokens_counted"] = self.counter.count(msgs)
+                if m["prompt_tokens_counted"] + ANSWER_MAX_TOKENS > self.window:
+                    self.window_skips[cx.conv.sample_id] += 1
+                    continue
+            reqs.append(ChatRequest(f"{s}/{q.key}/answer", msgs, ANSWER_SCHEMA, ANSWER_MAX_TOKENS, "qa_answer",
+                                    metadata={"user_id": cx.conv.user_id}))
+            keep.append((q, m))
+        backend.tags = {"strategy": s, "prompt_version": ANSWER_PROMPT_VERSION}
+        if s == "full_history" and reqs and first:  # the first alone: it fills the server's prefix cache
+            results = generate_with_retry(backend, reqs[:1]) + generate_with_retry(backend, reqs[1:])
+        else:
+            results = generate_with_retry(backend, reqs)
+        rows = [self._row(s, q, m, r, backend) for (q, m), r in zip(keep, results)]
+        self.ckpt.append(rows)
+        for row in rows:
+            self.done[(s, row["key"])] = row
+        self.answered_now += len(rows)
+        self.n_done += len(rows) + (len(part) - len(keep))
+        el = time.perf_counter() - self.t_answer
+        rate = self.answered_now / el if el > 0 else 0.0
+        eta = (self.total - self.n_done) / rate if rate > 0 else float("nan")
+        self.log(f"[qa] {s} {cx.conv.sample_id}: {self.n_done}/{self.total} done, {rate * 60:.1f} questions/min, "
+                 f"ETA {eta / 60:.1f} min (LLM calls sent {backend.sent}, replayed {backend.replayed})")
+
+    @staticmethod
+    def _row(s: str, q: QAQuestion, m: dict, r, backend) -> dict:
+        pred = (r.parsed or {}).get("answer") if r.ok else None
+        return {"strategy": s, "key": q.key, "sample_id": q.sample_id, "category": q.category,
+                "question": q.question, "gold": q.gold, "prediction": pred,
+                "error": None if r.ok else r.error, **score_answer(pred, q.gold, q.category), **m,
+                "answer_prompt_tokens": r.prompt_tokens, "answer_completion_tokens": r.completion_tokens,
+                "model": backend.model_name, "answer_prompt_version": ANSWER_PROMPT_VERSION,
+                "strategy_version": strategy_version(s), "code_version": CODE_VERSION,
+                "created_at": datetime.now(timezone.utc).isoformat()}
+
+    # ---- the report
+    def report(self, run, strategies, settings: dict, cover: bool, sample_per_category, seed, words,
+               retrieval_report) -> dict:
+        """The JSON report (written to `out`, the HTML beside it; when replaying only to `out`, if a
+        .json path): scores, what was skipped, the record's part, the ledger's totals."""
+        selected, convs, backend = self.selected, self.convs, (self._llm[0] if self._llm else None)
+        memories = self.memories if self.decompose else None
+        replay_info = None
+        if self.replay_only:
+            replay_info, selected, _ = _replay_summary(backend, selected, convs, cover, self.record, self.path,
+                                                       self.max_sessions, self.llm_max_tokens, memories)
+        report = build_report(selected, run, self.done, self.skipped, strategies)
+        report["n_scored"] = report["n_questions"]
+        if replay_info is not None:
+            report["replay"] = replay_info
+        elif self.record is not None and backend is not None:
+            if self.decompose and self.episodes_used:
+                settings["episodes_version"] = self.episodes_used
+            report["record"] = _record_run(backend, self.record, self.path, convs, selected, run, self.done, memories,
+                                           settings, self.episodes_by_user if self.decompose else None)
+        ledger_rows = JsonlLog(self.paths["ledger"]).rows() if self.paths["ledger"].exists() else []
+        report.update({
+            "dataset": str(self.path), **self.load_info, "n_conversations": len(convs), "seed": seed,
+            "decomposition": self.decompose_info, "sample_per_category": sample_per_category, "words_budget": words,
+            "model": backend.model_name if backend else (next(iter(self.done.values()))["model"] if self.done else None),
+            "answer_prompt_version": ANSWER_PROMPT_VERSION,
+            "memories": str(self.memories) if self.memories is not None else None,
+            "memory_keys": {"source_weight": SOURCE_WEIGHT,
+                            "rule": "topk_memories and qumem rank memories by normalize(text + w * normalize(mean of "
+                                    "source turns)); adamem by their text"},
+            "checkpoint": str(self.paths["checkpoint"]), "ledger": str(self.paths["ledger"]),
+            "html": str(self.paths["html"]),
+            "llm_calls": {"sent_this_run": backend.sent if backend else 0,
+                          "replayed_this_run": backend.replayed if backend else 0,
+                          "by_strategy_this_run": {k: dict(v) for k, v in backend.used.items()} if backend else {},
+                          "ledger_rows": len(ledger_rows),
+                          "ledger_by_strategy": _ledger_totals(ledger_rows)},
+            "wall_s": round(time.perf_counter() - self.t0, 1),
+        })
+        return self._write(report, retrieval_report)
+
+    def _write(self, report: dict, retrieval_report) -> dict:
+        from qumem_pipeline.eval.locomo.qa_report import write_html
+
+        if self.replay_only:  # the work directory goes; the report goes where --out said, if anywhere
+            report.update({"checkpoint": None, "ledger": None, "html": None})
+            if self.report_out is not None and self.report_out.suffix == ".json":
+                self.report_out.parent.mkdir(parents=True, exist_ok=True)
+                self.report_out.write_text(json.dumps(report, indent=2, default=str))
+            self.work.cleanup()
+            return report
+        write_html(report, self.paths["html"], retrieval_report)
+        tmp = self.paths["report"].with_name(".tmp-" + self.paths["report"].name)
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        os.replace(tmp, self.paths["report"])
         return report
-    write_html(report, paths["html"], retrieval_report)
-    tmp = paths["report"].with_name(".tmp-" + paths["report"].name)
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    os.replace(tmp, paths["report"])
-    return report
 
 
 def _memory_frames(memories, convs) -> dict:
