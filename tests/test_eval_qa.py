@@ -468,3 +468,33 @@ def test_ledger_endpoint_failure_hands_back_results_aligned_to_the_callers_reque
     partial = got.value.partial_results
     assert len(partial) == 2 and partial[0].parsed == {"answer": "A"} and partial[1] is None
     assert lb.replayed == 1 and lb.sent == 0
+
+
+def test_a_run_stopped_by_sigint_reports_and_records_what_it_answered(toy, embedder, tmp_path):
+    """A recording run stopped at its deadline (SIGINT, as `timeout -s INT` sends) keeps what it finished:
+    the report scores the strategies answered before the stop, says it was interrupted, and the record
+    gets the run's manifest, so --replay-only covers those questions with no model."""
+    d, path, mem_dir = toy
+    rec = tmp_path / "rec"
+
+    class StopAtState(OpenAIBackend):
+        def generate(self, requests, *args, **kwargs):
+            if any("user-state inference agent" in r.messages[0]["content"] for r in requests):
+                raise KeyboardInterrupt
+            return super().generate(requests, *args, **kwargs)
+
+    with RunningFakeServer(_script(), tmp_path / "srv") as srv:
+        report = run_qa(str(path), out=tmp_path / "run" / "qa.json", memories=mem_dir, chunk=2, embedder=embedder,
+                        log=lambda m: None, record=rec,
+                        llm_backend=StopAtState(base_url=srv.base_url, max_retries=0, timeout_s=10))
+    assert "interrupted" in report["skipped"]
+    assert report["qa"]["topk_turns"]["n"] == report["n_questions"] == 4  # the scored questions, all answered
+    assert report["qa"]["topk_turns"]["f1"] == pytest.approx(F1, abs=1e-4)
+    assert report["qa"]["qumem"]["n"] == 0 and report["qa"]["qumem"]["not_answered"] == 5  # stopped in its first chunk
+    manifest = report["record"]["manifest"]
+    run = json.loads(next((rec / "runs").glob(manifest)).read_text())
+    assert sorted(run["answered"]) == ["full_history", "none", "topk_memories", "topk_turns"]
+    replay = run_qa(str(path), out=tmp_path / "replay.json", memories=mem_dir, chunk=2, embedder=embedder,
+                    log=lambda m: None, record=rec, replay_only=True, strategies=["topk_turns", "topk_memories"])
+    assert replay["replay"]["missing"]["calls"] == 0
+    assert replay["qa"]["topk_turns"]["f1"] == report["qa"]["topk_turns"]["f1"]

@@ -187,7 +187,12 @@ def run_qa(
         qa.prepare_memories(strategies, memories, decompose, memories_out, continuity_artifact, episodes_version,
                             llm_max_tokens)
         run = qa.runnable(strategies)
-        qa.answer(run, words, chunk, context_tokens)
+        try:
+            qa.answer(run, words, chunk, context_tokens)
+        except KeyboardInterrupt:  # e.g. a recording run stopped at its deadline: what it answered still counts
+            qa.skipped["interrupted"] = ("stopped by SIGINT while answering: the report and the record hold the "
+                                         "questions answered before; a rerun answers the rest")
+            qa.log("[qa] interrupted: reporting and recording what was answered")
     finally:
         qa.close()  # before the report: the record's part of it counts what the backend flushed on close
     settings = {"max_sessions": max_sessions, "words": words, "chunk": chunk, "context_tokens": context_tokens,
