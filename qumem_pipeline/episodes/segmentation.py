@@ -220,6 +220,28 @@ def build_user_episodes(
         sessions = list(zip(*cols))
     units = build_units(roles, tis, toks, sessions)
     n_user = sum(1 for r in roles if r == "user")
+    p, c = _checked_signals(user_id, n_user, p_same, cosine, embeddings)
+    spans = segment(p, rule, c, embeddings)
+    breaks: set[int] = set()
+    if break_on_session and n_user > 1:
+        user_sessions = {t: k for t, k, r in zip(tis, sessions, roles) if r == "user"}
+        breaks = session_starts(units, user_sessions) - {s for s, _ in spans}
+        spans = split_at(spans, breaks)
+    spans, forced, oversize = enforce_budget(spans, p, [u.tokens for u in units], token_budget)
+    rows = _episode_rows(turns, user_id, units, spans, p, forced, classifier_version)
+    if stats is not None:
+        stats.users += 1
+        stats.user_utterances += n_user
+        stats.decisions += len(p)
+        stats.episodes += len(rows)
+        stats.forced_splits += len(forced)
+        stats.session_breaks += len(breaks)
+        stats.oversize_single_units += oversize
+    return pl.DataFrame(rows, schema=EPISODE_SCHEMA)
+
+
+def _checked_signals(user_id: str, n_user: int, p_same, cosine, embeddings) -> tuple[list[float], list[float] | None]:
+    """The decisions' P(same) (and cosines) as floats, after checking they fit the user's utterances."""
     expected = max(n_user - 1, 0)
     if len(p_same) != expected:
         raise ValueError(f"user {user_id}: {len(p_same)} decisions for {n_user} user utterances (need {expected})")
@@ -230,49 +252,39 @@ def build_user_episodes(
     if embeddings is not None and n_user and len(embeddings) != n_user:
         raise ValueError(f"user {user_id}: {len(embeddings)} utterance embeddings for {n_user} user utterances")
     if n_user == 0:  # only context turns: one episode, no decisions
-        p, c = [], ([] if c is not None else None)
-    spans = segment(p, rule, c, embeddings)
-    breaks: set[int] = set()
-    if break_on_session and n_user > 1:
-        user_sessions = {t: k for t, k, r in zip(tis, sessions, roles) if r == "user"}
-        breaks = session_starts(units, user_sessions) - {s for s, _ in spans}
-        spans = split_at(spans, breaks)
-    spans, forced, oversize = enforce_budget(spans, p, [u.tokens for u in units], token_budget)
+        return [], ([] if c is not None else None)
+    return p, c
+
+
+def _episode_rows(turns: pl.DataFrame, user_id: str, units, spans, p: list[float], forced: set[int],
+                  classifier_version: str) -> list[dict]:
+    """One row per span of units: its turns, times, the decision that opened it and its weakest link."""
+    tis = turns["turn_index"].to_list()
     ts_by_turn = dict(zip(tis, turns["timestamp"].to_list()))
-    role_by_turn = dict(zip(tis, roles))
+    role_by_turn = dict(zip(tis, turns["role"].to_list()))
     rows = []
     for k, (s, e) in enumerate(spans):
         ids = [t for u in units[s:e] for t in u.turn_ids]
         stamps = [ts_by_turn[t] for t in ids if ts_by_turn[t] is not None]
-        rows.append(
-            {
-                "episode_id": episode_id(user_id, ids[0], ids[-1]),
-                "user_id": user_id,
-                "episode_index": k,
-                "first_turn_index": ids[0],
-                "last_turn_index": ids[-1],
-                "turn_ids": ids,
-                "n_turns": len(ids),
-                "n_user_turns": sum(1 for t in ids if role_by_turn[t] == "user"),
-                "start_ts": min(stamps) if stamps else None,
-                "end_ts": max(stamps) if stamps else None,
-                "boundary_prob": None if s == 0 else 1.0 - p[s - 1],
-                "min_continuity": min(p[s : e - 1]) if e - s > 1 else None,
-                "forced_split": s in forced,
-                "token_estimate": sum(u.tokens for u in units[s:e]),
-                "classifier_version": classifier_version,
-                "code_version": stage_version("episodes"),
-            }
-        )
-    if stats is not None:
-        stats.users += 1
-        stats.user_utterances += n_user
-        stats.decisions += len(p)
-        stats.episodes += len(rows)
-        stats.forced_splits += len(forced)
-        stats.session_breaks += len(breaks)
-        stats.oversize_single_units += oversize
-    return pl.DataFrame(rows, schema=EPISODE_SCHEMA)
+        rows.append({
+            "episode_id": episode_id(user_id, ids[0], ids[-1]),
+            "user_id": user_id,
+            "episode_index": k,
+            "first_turn_index": ids[0],
+            "last_turn_index": ids[-1],
+            "turn_ids": ids,
+            "n_turns": len(ids),
+            "n_user_turns": sum(1 for t in ids if role_by_turn[t] == "user"),
+            "start_ts": min(stamps) if stamps else None,
+            "end_ts": max(stamps) if stamps else None,
+            "boundary_prob": None if s == 0 else 1.0 - p[s - 1],
+            "min_continuity": min(p[s : e - 1]) if e - s > 1 else None,
+            "forced_split": s in forced,
+            "token_estimate": sum(u.tokens for u in units[s:e]),
+            "classifier_version": classifier_version,
+            "code_version": stage_version("episodes"),
+        })
+    return rows
 
 
 def build_episodes_for_users(

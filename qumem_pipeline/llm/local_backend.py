@@ -762,32 +762,35 @@ class LocalBackend(BackendBase):
                         # model work of the tokens kept (a rejected draft's work is overhead, not throughput)
                         st["decode_flops"] += sum(kept) * (eng.linear_flops + eng.head_flops) + eng.attn_flops_per_key * sum(
                             k * (p + 1) + k * (k - 1) // 2 for k, p in zip(kept, pos))
-                    # evict finished rows: the last active row moves into each freed slot; a group's
-                    # prefix slot is freed with its last row
                     if any(r.finish is not None for r in active):
-                        now = time.perf_counter()
-                        for r in active:
-                            if r.finish is not None:
-                                r.latency = now - r.started
-                                on_done(r)
-                                g = r.group
-                                g.left -= 1
-                                if g.left == 0:
-                                    del live[g.slot]
-                                    g.slot = None
-                        n_keep = sum(1 for r in active if r.finish is None)
-                        holes = [i for i in range(n_keep) if active[i].finish is not None]
-                        movers = [i for i in range(n_keep, len(active)) if active[i].finish is None]
-                        for h, m in zip(holes, movers):
-                            r = active[m]
-                            eng.move(m, h, len(r.prompt) + len(r.tokens) - 1 - r.group.split)
-                            active[h] = r
-                        del active[n_keep:]
+                        self._evict(active, live, on_done)
                     if not new:
                         st["decode_s"] += time.perf_counter() - t0
                         st["decode_cpu_s"] += time.process_time() - c0
         finally:
             eng.release()  # the KV buffers are per call of _run (a run's batch can need GBs)
+
+    def _evict(self, active: list["_Row"], live: dict, on_done) -> None:
+        """Finished rows leave: each is handed to `on_done`, the last active rows move into the freed
+        own slots (so `active` stays dense), and a group's prefix slot is freed with its last row."""
+        now = time.perf_counter()
+        for r in active:
+            if r.finish is not None:
+                r.latency = now - r.started
+                on_done(r)
+                g = r.group
+                g.left -= 1
+                if g.left == 0:
+                    del live[g.slot]
+                    g.slot = None
+        n_keep = sum(1 for r in active if r.finish is None)
+        holes = [i for i in range(n_keep) if active[i].finish is not None]
+        movers = [i for i in range(n_keep, len(active)) if active[i].finish is None]
+        for h, m in zip(holes, movers):
+            r = active[m]
+            self.engine.move(m, h, len(r.prompt) + len(r.tokens) - 1 - r.group.split)
+            active[h] = r
+        del active[n_keep:]
 
     def _result(self, r: "_Row") -> ChatResult:
         gen = r.resumed + r.tokens

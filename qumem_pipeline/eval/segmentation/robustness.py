@@ -202,21 +202,26 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
               "generated_builder": gen.BUILDER_VERSION,
               "minilm_adjacent_sim_threshold": sim_thr, "minilm_adjacent_sim_threshold_chosen_on": "TIAGE dev",
               "classifiers": versions, "systems": table, "elapsed_s": round(time.time() - t0, 1)}
-    for n, s in stats.items():
+    _print_summary(result, list(sets))
+    if as_json:
+        print(json.dumps(result))
+    return result
+
+
+def _print_summary(result: dict, set_names: list[str]) -> None:
+    """The sets, the classifiers and their re-chosen rules, then the side-by-side table."""
+    for n, s in result["sets"].items():
         print(f"{n}: {s['n_dialogues']} dialogues, {s['n_utterances']} utterances, {s['n_boundaries']} boundaries")
-    for label, v in versions.items():
+    for label, v in result["classifiers"].items():
         print(f"{label}: {v['version']} ({v['describe']})")
         if "sim_dip_rechosen" in v:
             print(f"{label}+sim_dip(rechosen): {v['sim_dip_rechosen']}")
         if "learned_rechosen" in v:
             print(f"{label}+learned(rechosen): {v['learned_rechosen']['describe']} "
                   f"(cv_pk {v['learned_rechosen']['cv_pk']})")
-    print(f"minilm_adjacent_sim: boundary when cosine < {sim_thr} (chosen on TIAGE dev)")
-    print(format_side_by_side(table, list(sets)))
+    print(f"minilm_adjacent_sim: boundary when cosine < {result['minilm_adjacent_sim_threshold']} (chosen on TIAGE dev)")
+    print(format_side_by_side(result["systems"], set_names))
     sys.stdout.flush()
-    if as_json:
-        print(json.dumps(result))
-    return result
 
 
 def _artifact_arg(s: str) -> tuple[str, str]:
