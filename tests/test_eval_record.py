@@ -137,6 +137,25 @@ def test_committed_table_replays_from_the_record_with_no_model(monkeypatch, caps
 
 
 @needs_data
+def test_the_evaluation_models_table_replays_from_the_record_with_no_model(monkeypatch, capsys):
+    """The 1.5B evaluation model's conv-30 table (docs/evaluation.md: 921 calls, decomposition included)
+    regenerated from eval_record/ alone equals its JSON, every comparison with its n and interval."""
+    from qumem_pipeline.eval.record_cli import check
+
+    table = "locomo_qa_qwen15b_conv30"
+    monkeypatch.setenv("QUMEM_LLM_KIND", "no-such-backend")  # any model start would fail loudly
+    rc = check(EvalRecord(RECORD_ROOT), [table])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"{table}: same" in out, out
+    fig = json.loads((RECORD_ROOT / "tables" / f"{table}.json").read_text())["figures"]
+    assert fig["model"] == "Qwen2.5-Coder-1.5B-Instruct@bfloat16" and fig["n_scored"] == 81
+    assert set(fig["qa"]) == {"none", "topk_turns", "topk_memories", "qumem"}
+    assert fig["replayed"]["missing_calls"] == 0
+    for v in fig["f1_vs_topk_turns"].values():
+        assert v["n"] == 81 and v["ci95"][0] <= v["delta"] <= v["ci95"][1]
+
+
+@needs_data
 def test_replay_only_fails_listing_the_calls_the_record_lacks(monkeypatch, capsys):
     """Another word budget changes every top-k prompt: none of them is in the record."""
     from qumem_pipeline.cli import main as cli_main

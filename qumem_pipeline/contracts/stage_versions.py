@@ -5,8 +5,9 @@ the asset (and everything downstream) as stale when they differ; every output ro
 same string in its `code_version` column. A stage's version hashes:
 
 - the source bytes of its entry modules (`STAGE_ENTRY_MODULES`, the one stage -> modules map) and
-  of every `qumem_pipeline` module they import, found by reading the files (`ast`), never by
-  importing them, because Dagster imports definitions in every process and models must not load;
+  of every `qumem_pipeline` module they import, found by reading the files (their import lines; the
+  syntax tree where a line may hide one), never by importing them, because Dagster imports definitions
+  in every process and models must not load;
 - what else decides its output: the classifier artifact, prompt versions, the LLM kind/model, the
   embedder package (`_stage_inputs`);
 - the full versions of its upstream stages (`STAGE_UPSTREAM`, the asset graph), so a change moves
