@@ -3,7 +3,6 @@ with no model at all; the committed table replayed from eval_record/ and compare
 
 import gzip
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -356,15 +356,14 @@ class _Sync:
         in the table store, their file list), read at once on threads: each read is mostly pyarrow
         and delta-rs, which release the GIL, and on an incremental run these reads were a third of
         its time one after another. None for every table before there is a manifest (see _kept)."""
-        tables = ["turns", DUPLICATES_TABLE, "quarantine"]
-        if hasattr(self.layout, "store"):
-            tables.append(FILE_USERS_TABLE)
+        held = dict.fromkeys(["turns", DUPLICATES_TABLE, "quarantine", FILE_USERS_TABLE])
         if not self.plan.old:
-            return dict.fromkeys(tables + [FILE_USERS_TABLE])
+            return held
+        tables = [t for t in held if t != FILE_USERS_TABLE or hasattr(self.layout, "store")]
         with self._store_lock, ThreadPoolExecutor(max_workers=len(tables), thread_name_prefix="qumem-ingest-read-back") as pool:
             # one table per thread: a table's handle is never used by two threads at once
-            frames = dict(zip(tables, pool.map(lambda t: self.layout.read_table(t, users), tables)))
-        return {FILE_USERS_TABLE: None, **frames}
+            held.update(zip(tables, pool.map(lambda t: self.layout.read_table(t, users), tables)))
+        return held
 
     def _source_order(self) -> pl.Expr:
         """`_pos` of a candidate: its file's rank in the archive, then its position in the file

@@ -258,9 +258,9 @@ class _QARun:
     def llm(self):
         """The backend, opened on first use: the record alone when replaying, else the configured one
         behind the ledger (and the record, when there is one)."""
-        from qumem_pipeline.eval.record import RecordBackend, identity_from_runs
-
         if not self._llm:
+            from qumem_pipeline.eval.record import RecordBackend, identity_from_runs
+
             if self.replay_only:
                 ident = identity_from_runs(self.record, self.path, self.replay_model)
                 self._llm.append(RecordBackend(None, self.record, ident, self.user_conv))
