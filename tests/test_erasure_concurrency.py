@@ -126,6 +126,49 @@ def test_concurrent_forgets_from_separate_processes_all_land(tmp_path):
         assert audit_data_root(str(root), u, [])["hits"] == [], u
 
 
+def test_a_cleanup_leaves_a_file_an_unfinished_forget_may_commit(tmp_path):
+    """The interleaving behind CI's failure of the test above (a forget's delete failed on a data
+    file of the latest version that was not there). Forget A has deleted alice; forget E has
+    tombstoned eve and bumped the epoch but not yet deleted her; a delete of bob (B), on a snapshot
+    after both, has rewritten the bucket (eve's rows inside) and not yet committed. A's cleanup must
+    leave B's file: B's commit conflicts with nothing and lands. Once E finishes, eve is gone."""
+    from deltalake import DeltaTable
+    from deltalake.transaction import RemoveAction
+
+    from qumem_pipeline.storage.file_commit import commit_append, write_files
+    from qumem_pipeline.storage.tombstones import ERASED
+
+    root = tmp_path / "data"
+    store = TableStore(root, n_buckets=1)
+    store.replace("memories", _rows(["alice", "bob", "eve", "xavier"]))
+    tombs = store.tombstones()
+    tombs.record(["alice"])  # forget A, up to its delete
+    store.bump_erase_epoch("memories")
+    seeded = [f"memories/{p}" for p in pl.DataFrame(DeltaTable(store.uri("memories")).get_add_actions()).get_column("path")]
+    assert store.delete("memories", ["alice"]) == 2
+    tombs.record(["eve"])  # forget E, up to its epoch bump
+    store.bump_erase_epoch("memories")
+
+    dt = DeltaTable(store.uri("memories"))  # delete B's snapshot: bob, eve, xavier in one file
+    (old,) = pl.DataFrame(dt.get_add_actions(flatten=True)).to_dicts()
+    kept = pl.read_parquet(f"{store.uri('memories')}/{old['path']}").filter(pl.col("user_key") != "bob")
+    fs, base = store.filesystem()
+    adds = write_files(kept.with_columns(pl.lit(0, pl.Int32).alias("user_bucket")), fs, f"{base}/memories",
+                       key="user_key", bucket="user_bucket", row_group_rows=1024, target_file_bytes=1 << 30)
+
+    tombs.record(["alice"], action=ERASED)  # forget A finishes
+    # the file A's delete replaced goes (alice inside); B's file stays: it holds eve, not erased yet
+    assert store.remove_dead_files("memories", ["alice"]) == seeded
+
+    remove = RemoveAction(old["path"], True, int(time.time() * 1000), old["size_bytes"], {"user_bucket": "0"})
+    commit_append(dt, [*adds, remove], partition_by=["user_bucket"], commit=None)  # B's commit lands
+    assert TableStore(root).users_in("memories") == ["eve", "xavier"]  # every named file is there
+
+    forget_user(root, None, "eve")  # forget E, run again to its end
+    assert TableStore(root).users_in("memories") == ["xavier"]
+    assert audit_data_root(str(root), None, ["secret-eve", "secret-alice"])["hits"] == []
+
+
 def test_a_forget_that_cannot_reach_a_warehouse_fails_and_its_rerun_completes(tmp_path, monkeypatch):
     root, wh_path = tmp_path / "data", tmp_path / "elsewhere" / "warehouse.duckdb"
     store = TableStore(root)

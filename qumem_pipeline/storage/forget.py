@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 
 from qumem_pipeline.contracts.ids import validate_user_id
 from qumem_pipeline.storage.table_store import TableStore, _log_moved, is_uri
-from qumem_pipeline.storage.tombstones import READMIT, REGISTRY_TABLE, Tombstones
+from qumem_pipeline.storage.tombstones import ERASED, READMIT, REGISTRY_TABLE, Tombstones
 from qumem_pipeline.storage.warehouse_locations import (WAREHOUSE_LOCATIONS, _host, record_warehouse,
                                                          warehouse_locations)
 
@@ -167,18 +167,23 @@ def _atomic_put(fs, path: str, data: bytes) -> None:
 
 
 def erase_from_tables(store: TableStore, user_id: str) -> dict:
+    """Delete the user from every table, mark the erasure finished in the registry, then remove the
+    unreferenced files still holding their rows. The files go only after the mark: until every
+    delete of the user has committed, such a file may be a concurrent commit's, not yet in the log
+    (tests/test_erasure_concurrency.py, `test_a_cleanup_leaves_a_file_an_unfinished_forget_may_commit`)."""
     report = {"tables": [], "rows_deleted": {}, "files_removed": {}, "log_files_rewritten": {}}
-    for t in store.tables():
-        if t in (REGISTRY_TABLE, WAREHOUSE_LOCATIONS):
-            continue
+    tables = [t for t in store.tables() if t not in (REGISTRY_TABLE, WAREHOUSE_LOCATIONS)]
+    for t in tables:
         store.n_buckets = None  # erase from every table, whatever bucket count it was made with
         store.bump_erase_epoch(t)
-        rows = store.delete(t, [user_id])
-        files = store.remove_dead_files(t, [user_id])
-        scrubbed = scrub_log(store, t, [user_id])
-        if rows or files or scrubbed:
-            report["tables"].append(t)
-        report["rows_deleted"][t], report["files_removed"][t], report["log_files_rewritten"][t] = rows, len(files), scrubbed
+        report["rows_deleted"][t] = store.delete(t, [user_id])
+        report["log_files_rewritten"][t] = scrub_log(store, t, [user_id])
+    store.tombstones().record([user_id], action=ERASED)
+    for t in tables:
+        store.n_buckets = None
+        report["files_removed"][t] = len(store.remove_dead_files(t, [user_id]))
+    report["tables"] = [t for t in tables if report["rows_deleted"][t] or report["files_removed"][t]
+                        or report["log_files_rewritten"][t]]
     return report
 
 

@@ -382,13 +382,17 @@ class TableStore:
 
     def remove_dead_files(self, table: str, users: Iterable[str]) -> list[str]:
         """In the buckets of `users`: files the latest version does not reference that hold a row of
-        any forgotten user (as of the registry's latest version).
+        any erased user (forgotten, and their forget's delete committed in every table).
 
-        Safe beside live writers: once a user is forgotten (epoch bumped, rows deleted) no commit can
-        add a file with their rows (an older snapshot fails on the epoch, a newer one dropped the
-        rows), so such a file is dead whoever wrote it: a killed writer, a commit that failed, or a
-        concurrent forget's delete that rewrote a file on a stale snapshot. Waits for the buckets'
-        staging files to settle first. Files without forgotten users are left to maintenance's vacuum."""
+        Safe beside live writers: once a user is erased no commit can add a file with their rows (a
+        snapshot before the forget's epoch bump fails on the epoch; one after it dropped them from new
+        rows; one before the delete rewrote a file that delete removed, and fails delta-rs' conflict
+        check), so such a file is dead whoever wrote it: a killed writer, a commit that failed, or a
+        concurrent forget's delete that rewrote a file on a stale snapshot. A user merely forgotten is
+        not enough: a delete of another user, on a snapshot between the epoch bump and the forget's
+        own delete, rewrites the bucket with their rows and may commit before it (CI hit this: the
+        table then named a removed file). Waits for the buckets' staging files to settle first.
+        Files without erased users are left to maintenance's vacuum."""
         dt = self._open(table)
         if dt is None:
             return []
@@ -417,7 +421,7 @@ class TableStore:
             if info.type != pafs.FileType.File or info.path in referenced:
                 continue
             keys = None if "#" in info.base_name else _file_keys(fs, info.path)
-            if keys is not None and not self.tombstones().forgotten_among(keys):
+            if keys is not None and not self.tombstones().erased_among(keys):
                 continue
             try:
                 fs.delete_file(info.path)

@@ -12,7 +12,10 @@ use). An old key may be retired only once no tombstone made with it must hold an
 the pre-HMAC registry (key id NULL: plain sha256) still match.
 
 Why one row per event (append, never read-modify-write): concurrent forgets from many hosts all
-land (Delta appends do not conflict). A user's state is its latest event (forget / readmit).
+land (Delta appends do not conflict). A user's state is its latest event (forget / erased / readmit).
+`erased` is a forget's last step: every table's delete of the user has committed. Only then may a
+cleanup remove an unreferenced file holding the user's rows; before it, such a file may belong to a
+commit still in flight (storage/table_store.py, `remove_dead_files`).
 """
 
 import hashlib
@@ -29,7 +32,7 @@ REGISTRY_TABLE = "forgotten_users"
 REGISTRY_KEY = "_registry"  # the registry is one partition key, not a user
 KEY_ENV, OLD_KEYS_ENV = "QUMEM_TOMBSTONE_KEY", "QUMEM_TOMBSTONE_OLD_KEYS"
 LEGACY_KEY_ID = ""  # rows written before keyed tombstones: sha256(user_id)
-FORGET, READMIT = "forget", "readmit"
+FORGET, ERASED, READMIT = "forget", "erased", "readmit"
 SCHEMA = {"digest": pl.String, "key_id": pl.String, "action": pl.String, "at": pl.Datetime("us", "UTC")}
 
 
@@ -84,7 +87,8 @@ class Tombstones:
         self.store.n_buckets = None
         self._keys = keys
         self._version: int | None = -2
-        self._forgotten: dict[str, set[str]] = {}  # key id -> digests whose latest event is a forget
+        self._forgotten: dict[str, set[str]] = {}  # key id -> digests whose latest event is forget/erased
+        self._erased: dict[str, set[str]] = {}  # key id -> digests whose latest event is erased
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +109,7 @@ class Tombstones:
                 return version
             df = self.store.read(REGISTRY_TABLE, [REGISTRY_KEY])
             forgotten: dict[str, set[str]] = {}
+            erased: dict[str, set[str]] = {}
             if df is not None and df.height:
                 df = df.filter(~pl.col("user_placeholder"))
                 for c, t in SCHEMA.items():
@@ -113,9 +118,12 @@ class Tombstones:
                 df = df.with_columns(pl.col("key_id").fill_null(LEGACY_KEY_ID),
                                      pl.col("action").fill_null(FORGET)).with_row_index("_i")
                 latest = df.sort(["at", "_i"], nulls_last=False).group_by(["key_id", "digest"]).last()
-                for kid, dig in latest.filter(pl.col("action") == FORGET).select("key_id", "digest").iter_rows():
-                    forgotten.setdefault(kid, set()).add(dig)
-            self._forgotten, self._version = forgotten, version
+                for kid, dig, action in latest.select("key_id", "digest", "action").iter_rows():
+                    if action in (FORGET, ERASED):
+                        forgotten.setdefault(kid, set()).add(dig)
+                    if action == ERASED:
+                        erased.setdefault(kid, set()).add(dig)
+            self._forgotten, self._erased, self._version = forgotten, erased, version
             return version
 
     def __len__(self) -> int:
@@ -125,11 +133,20 @@ class Tombstones:
         """Which of `users` are forgotten as of the registry's latest version."""
         if refresh:
             self.refresh()
-        if not self._forgotten:
+        return self._members(users, self._forgotten)
+
+    def erased_among(self, users, refresh: bool = True) -> set[str]:
+        """Which of `users` are forgotten and erased from every table (their forget finished)."""
+        if refresh:
+            self.refresh()
+        return self._members(users, self._erased)
+
+    def _members(self, users, digests_by_key: dict[str, set[str]]) -> set[str]:
+        if not digests_by_key:
             return set()
         out = set()
-        legacy = self._forgotten.get(LEGACY_KEY_ID, set())
-        keyed = [(k, self._forgotten.get(_key_id(k), set())) for k in self.keys]
+        legacy = digests_by_key.get(LEGACY_KEY_ID, set())
+        keyed = [(k, digests_by_key.get(_key_id(k), set())) for k in self.keys]
         for u in users:
             if u is None:
                 continue
