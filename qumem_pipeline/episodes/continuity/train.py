@@ -205,16 +205,8 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | None = None,
-          train_pairs: list[Pair] | None = None, dev_pairs: list[Pair] | None = None,
-          test_pairs: list[Pair] | None = None, log=_log, checkpoint: bool = True) -> dict:
-    """Train, select on dev, evaluate on test, write the artifact to ``out_dir`` (if given).
-
-    Returns the artifact config dict (also holding ``losses``: per-step training losses).
-    """
-    cfg = cfg or TrainConfig()
-    t0 = time.time()
-    set_determinism(seed, cfg.threads)
+def _splits(train_pairs, dev_pairs, test_pairs, cfg: TrainConfig):
+    """TIAGE's splits for whichever the caller did not pass (test may be absent)."""
     if train_pairs is None:
         train_pairs = dialogue_pairs(load_tiage("train"))
     if dev_pairs is None:
@@ -226,10 +218,23 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
             test_pairs = []
     if cfg.train_limit:
         train_pairs = train_pairs[: cfg.train_limit]
+    return train_pairs, dev_pairs, test_pairs
 
-    tok = load_tokenizer()
-    mcfg = cfg.model
-    net = ContinuityNet(mcfg)
+
+@dataclass
+class _TrainSet:
+    ids: list
+    types: list
+    labels: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+
+def _train_set(tok, train_pairs: list[Pair], cfg: TrainConfig, seed: int) -> _TrainSet:
+    """Tokenized pairs and labels, with the configured augmentations (swapped pairs, cross-dialogue negatives)."""
     raw = [(p.a, p.b) for p in train_pairs]
     labels = np.array([p.same for p in train_pairs], dtype=np.float32)
     if cfg.swap_aug:
@@ -239,15 +244,13 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
         extra = cross_dialogue_negatives(train_pairs, cfg.cross_neg, seed)
         raw += extra
         labels = np.concatenate([labels, np.zeros(len(extra), dtype=np.float32)])
-    ids, types = tokenize_pairs(tok, raw, mcfg.max_len)
-    lengths = np.array([len(x) for x in ids])
-    n = len(raw)
-    steps_per_epoch = math.ceil(n / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps)
-    warm = max(1, int(cfg.warmup_frac * total))
+    ids, types = tokenize_pairs(tok, raw, cfg.model.max_len)
+    return _TrainSet(ids, types, labels, np.array([len(x) for x in ids]))
 
+
+def _optimizer(net: ContinuityNet, cfg: TrainConfig, total: int):
+    """AdamW (LoRA body and head at their own rates), linear warm-up then linear decay to 0."""
+    warm = max(1, int(cfg.warmup_frac * total))
     head_params = [p for p in net.head.parameters()]
     body_params = [p for p in net.bert.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
@@ -257,25 +260,110 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm))
     )
+    return opt, sched
+
+
+def _loss(net: ContinuityNet, data: _TrainSet, idx: np.ndarray, pad_id: int, cfg: TrainConfig) -> torch.Tensor:
+    """Weighted (boundary_weight on "new event" pairs), optionally label-smoothed BCE of one batch."""
+    x, m, t = pad_batch(data.ids, idx, pad_id, types=data.types)
+    y = torch.from_numpy(data.labels[idx])
+    logits = net(x, m, t)
+    w = torch.where(y < 0.5, torch.full_like(y, cfg.boundary_weight), torch.ones_like(y))
+    target = y * (1.0 - cfg.label_smoothing) + 0.5 * cfg.label_smoothing if cfg.label_smoothing else y
+    return (torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="none") * w).sum() / w.sum()
+
+
+class _Selection:
+    """Epoch-end candidates (and their running weight average from `swa_from`), scored on dev by Pk;
+    the best so far is written as a partial artifact so a run cut short still leaves a usable one."""
+
+    def __init__(self, cfg: TrainConfig, seed: int, tok, dev_pairs: list[Pair], out_dir, checkpoint: bool, log):
+        self.cfg, self.seed, self.tok, self.dev_pairs = cfg, seed, tok, dev_pairs
+        self.out_dir, self.checkpoint, self.log = out_dir, checkpoint, log
+        self.best: dict | None = None
+        self.swa = None
+        self.history: list[dict] = []
+
+    def _dev(self, net: ContinuityNet):
+        p_dev = predict_net(net, self.tok, self.dev_pairs, self.cfg.model.max_len, self.cfg.eval_batch_size)
+        thr, dev_m = choose_threshold(self.dev_pairs, p_dev)
+        return p_dev, thr, dev_m
+
+    def epoch_end(self, net: ContinuityNet, epoch: int, step: int, n: int, t0: float) -> None:
+        p_dev, thr, dev_m = self._dev(net)
+        self.history.append({"epoch": epoch + 1, "step": step, "threshold": thr, **{f"dev_{k}": v for k, v in dev_m.items()}})
+        self.log(f"epoch {epoch + 1}: dev Pk {dev_m['pk']:.4f} WD {dev_m['windowdiff']:.4f} F1 {dev_m['f1']:.4f} "
+                 f"thr {thr:.2f} ({time.time() - t0:.0f}s)")
+        candidates = [(epoch + 1, thr, dev_m, net.trainable_state(), p_dev)]
+        if self.cfg.swa_from and epoch + 1 >= self.cfg.swa_from:
+            candidates += self._averaged(net, epoch, step, candidates[0][3])
+        for ep, thr_c, dev_c, state_c, p_c in candidates:
+            if self.best is None or dev_c["pk"] < self.best["dev"]["pk"]:
+                self.best = {"epoch": ep, "threshold": thr_c, "dev": dev_c, "state": state_c, "p_dev": p_c}
+                if self.out_dir is not None and self.checkpoint:
+                    _write_artifact(self.out_dir, self.best["state"], _artifact_config(
+                        self.cfg, self.seed, self.best, self.history, {}, n, step, time.time() - t0, partial=True))
+
+    def _averaged(self, net: ContinuityNet, epoch: int, step: int, cur: dict) -> list:
+        """Weight averaging over epoch ends: one model (one forward per pair), flatter optimum."""
+        k = epoch + 2 - self.cfg.swa_from
+        self.swa = cur if self.swa is None else {name: self.swa[name] + (cur[name] - self.swa[name]) / k for name in cur}
+        if k <= 1:
+            return []
+        net.load_trainable_state(self.swa)
+        p_swa, thr_s, dev_s = self._dev(net)
+        net.load_trainable_state(cur)
+        label = f"swa{self.cfg.swa_from}-{epoch + 1}"
+        self.history.append({"epoch": label, "step": step, "threshold": thr_s, **{f"dev_{key}": v for key, v in dev_s.items()}})
+        self.log(f"{label}: dev Pk {dev_s['pk']:.4f} WD {dev_s['windowdiff']:.4f} F1 {dev_s['f1']:.4f} thr {thr_s:.2f}")
+        return [(label, thr_s, dev_s, {name: v.clone() for name, v in self.swa.items()}, p_swa)]
+
+
+def _rule_and_test(net: ContinuityNet, tok, best: dict, dev_pairs, test_pairs, cfg: TrainConfig, seed: int, log):
+    """The decision rule (threshold + rule parameters), chosen on dev only; then test under it."""
+    rule = selection = None
+    if "p_dev" in best:
+        rule, selection = tune(*per_dialogue(dev_pairs, best["p_dev"]), seed=seed)
+        log(f"decision rule on dev: {rule.describe()} ({selection['cv_pk']})")
+    test_m = {}
+    if test_pairs:
+        p_test = predict_net(net, tok, test_pairs, cfg.model.max_len, cfg.eval_batch_size)
+        test_m = (rule_metrics(rule, *per_dialogue(test_pairs, p_test)) if rule is not None
+                  else metrics_at(test_pairs, p_test, best["threshold"]))
+        log(f"test (epoch {best['epoch']}): Pk {test_m['pk']:.4f} WD {test_m['windowdiff']:.4f} F1 {test_m['f1']:.4f}")
+    return rule, selection, test_m
+
+
+def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | None = None,
+          train_pairs: list[Pair] | None = None, dev_pairs: list[Pair] | None = None,
+          test_pairs: list[Pair] | None = None, log=_log, checkpoint: bool = True) -> dict:
+    """Train, select on dev, evaluate on test, write the artifact to ``out_dir`` (if given).
+
+    Returns the artifact config dict (also holding ``losses``: per-step training losses).
+    """
+    cfg = cfg or TrainConfig()
+    t0 = time.time()
+    set_determinism(seed, cfg.threads)
+    train_pairs, dev_pairs, test_pairs = _splits(train_pairs, dev_pairs, test_pairs, cfg)
+    tok = load_tokenizer()
+    net = ContinuityNet(cfg.model)
+    data = _train_set(tok, train_pairs, cfg, seed)
+    total = math.ceil(data.n / cfg.batch_size) * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    opt, sched = _optimizer(net, cfg, total)
     gen = np.random.default_rng(seed)
+    selection = _Selection(cfg, seed, tok, dev_pairs, out_dir, checkpoint, log)
     losses: list[float] = []
-    history = []
-    best = None
-    swa = None
     step = 0
     pad_id = tok.pad_token_id or 0
     for epoch in range(cfg.epochs):
         net.train()
         te = time.time()
-        for idx in epoch_batches(gen, lengths, cfg.batch_size, cfg.bucket_chunk):
+        for idx in epoch_batches(gen, data.lengths, cfg.batch_size, cfg.bucket_chunk):
             if cfg.max_steps and step >= cfg.max_steps:
                 break
-            x, m, t = pad_batch(ids, idx, pad_id, types=types)
-            y = torch.from_numpy(labels[idx])
-            logits = net(x, m, t)
-            w = torch.where(y < 0.5, torch.full_like(y, cfg.boundary_weight), torch.ones_like(y))
-            target = y * (1.0 - cfg.label_smoothing) + 0.5 * cfg.label_smoothing if cfg.label_smoothing else y
-            loss = (torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="none") * w).sum() / w.sum()
+            loss = _loss(net, data, idx, pad_id, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -286,53 +374,17 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
                 log(f"epoch {epoch + 1} step {step}/{total} loss {np.mean(losses[-20:]):.4f} ({time.time() - te:.0f}s)")
         if not dev_pairs:
             break
-        p_dev = predict_net(net, tok, dev_pairs, mcfg.max_len, cfg.eval_batch_size)
-        thr, dev_m = choose_threshold(dev_pairs, p_dev)
-        history.append({"epoch": epoch + 1, "step": step, "threshold": thr, **{f"dev_{k}": v for k, v in dev_m.items()}})
-        log(f"epoch {epoch + 1}: dev Pk {dev_m['pk']:.4f} WD {dev_m['windowdiff']:.4f} F1 {dev_m['f1']:.4f} thr {thr:.2f} ({time.time() - t0:.0f}s)")
-        candidates = [(epoch + 1, thr, dev_m, net.trainable_state(), p_dev)]
-        if cfg.swa_from and epoch + 1 >= cfg.swa_from:
-            # Weight averaging over epoch ends: one model (one forward per pair), flatter optimum.
-            k = epoch + 2 - cfg.swa_from
-            cur = candidates[0][3]
-            swa = cur if swa is None else {name: swa[name] + (cur[name] - swa[name]) / k for name in cur}
-            if k > 1:
-                net.load_trainable_state(swa)
-                p_swa = predict_net(net, tok, dev_pairs, mcfg.max_len, cfg.eval_batch_size)
-                net.load_trainable_state(cur)
-                thr_s, dev_s = choose_threshold(dev_pairs, p_swa)
-                label = f"swa{cfg.swa_from}-{epoch + 1}"
-                history.append({"epoch": label, "step": step, "threshold": thr_s,
-                                **{f"dev_{key}": v for key, v in dev_s.items()}})
-                log(f"{label}: dev Pk {dev_s['pk']:.4f} WD {dev_s['windowdiff']:.4f} F1 {dev_s['f1']:.4f} thr {thr_s:.2f}")
-                candidates.append((label, thr_s, dev_s, {name: v.clone() for name, v in swa.items()}, p_swa))
-        for ep, thr_c, dev_c, state_c, p_c in candidates:
-            if best is None or dev_c["pk"] < best["dev"]["pk"]:
-                best = {"epoch": ep, "threshold": thr_c, "dev": dev_c, "state": state_c, "p_dev": p_c}
-                if out_dir is not None and checkpoint:  # usable artifact even if the run is cut short
-                    _write_artifact(out_dir, best["state"], _artifact_config(
-                        cfg, seed, best, history, {}, n, step, time.time() - t0, partial=True))
+        selection.epoch_end(net, epoch, step, data.n, t0)
         if cfg.max_steps and step >= cfg.max_steps:
             break
 
-    if best is None:  # no dev: keep the last state
-        best = {"epoch": cfg.epochs, "threshold": 0.5, "dev": {}, "state": net.trainable_state()}
+    best = selection.best or {"epoch": cfg.epochs, "threshold": 0.5, "dev": {}, "state": net.trainable_state()}
     net.load_trainable_state(best["state"])
-    rule = selection = None
-    if "p_dev" in best:  # the decision rule (threshold + rule parameters) is chosen on dev only
-        rule, selection = tune(*per_dialogue(dev_pairs, best["p_dev"]), seed=seed)
-        log(f"decision rule on dev: {rule.describe()} ({selection['cv_pk']})")
-    test_m = {}
-    if test_pairs:
-        p_test = predict_net(net, tok, test_pairs, mcfg.max_len, cfg.eval_batch_size)
-        test_m = (rule_metrics(rule, *per_dialogue(test_pairs, p_test)) if rule is not None
-                  else metrics_at(test_pairs, p_test, best["threshold"]))
-        log(f"test (epoch {best['epoch']}): Pk {test_m['pk']:.4f} WD {test_m['windowdiff']:.4f} F1 {test_m['f1']:.4f}")
+    rule, chosen, test_m = _rule_and_test(net, tok, best, dev_pairs, test_pairs, cfg, seed, log)
     wall = time.time() - t0
-
-    config = _artifact_config(cfg, seed, best, history, test_m, n, step, wall)
+    config = _artifact_config(cfg, seed, best, selection.history, test_m, data.n, step, wall)
     if rule is not None:
-        config = versioned_config(config, rule, selection)
+        config = versioned_config(config, rule, chosen)
         config["metrics"]["dev"] = rule_metrics(rule, *per_dialogue(dev_pairs, best["p_dev"]))
     if out_dir is not None:
         _write_artifact(out_dir, best["state"], config)
