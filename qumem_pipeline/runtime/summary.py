@@ -213,15 +213,31 @@ def _fmt_s(seconds: float | None) -> str:
 
 def render_summary(summary: dict[str, Any], console) -> None:
     """The end-of-run summary as rich tables on `console` (a rich Console)."""
-    from rich import box
     from rich.panel import Panel
-    from rich.table import Table
     from rich.text import Text
 
-    c, u = summary["counts"], summary["users"]
-    loc = summary.get("locations", {})
-    t = Table(title="qumem run: what was made", box=box.SIMPLE_HEAD, title_justify="left")
-    t.add_column("what")
+    for table in (_made_table(summary), _llm_table(summary["llm"]), _wall_table(summary),
+                  _where_table(summary.get("locations", {})), _samples_table(summary)):
+        if table is not None:
+            console.print(table)
+    console.print(Panel(Text(summary["quality_note"]), title="output quality", title_align="left"))
+
+
+def _table(title: str, *columns: str, **kw):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", **kw)
+    for col in columns:
+        t.add_column(col)
+    return t
+
+
+def _made_table(summary: dict[str, Any]):
+    from rich.text import Text
+
+    c, u, loc = summary["counts"], summary["users"], summary.get("locations", {})
+    t = _table("qumem run: what was made", "what")
     t.add_column("count", justify="right")
     t.add_column("detail")
     t.add_row("users", str(u["total"]), f"{u.get('with_turns', 0)} with turns, {u.get('with_memories', 0)} with memories")
@@ -236,12 +252,15 @@ def render_summary(summary: dict[str, Any], console) -> None:
     t.add_row("persona profiles", str(c["persona_profiles"]), "")
     t.add_row("query states", str(c["query_states"]),
               f"{c['query_states_citing_memories']} cite memories; {c['queries_quarantined']} queries quarantined")
-    console.print(t)
+    return t
 
-    llm = summary["llm"]
-    t = Table(title="LLM calls and tokens by stage", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("stage", "calls", "paid this run", "prompt tokens", "completion tokens", "bad output"):
-        t.add_column(col, justify="left" if col == "stage" else "right")
+
+def _llm_table(llm: dict[str, Any]):
+    from rich.text import Text
+
+    t = _table("LLM calls and tokens by stage", "stage")
+    for col in ("calls", "paid this run", "prompt tokens", "completion tokens", "bad output"):
+        t.add_column(col, justify="right")
     for s in llm["by_stage"]:
         t.add_row(s["stage"], str(s["calls"]), "-" if s["paid_this_run"] is None else str(s["paid_this_run"]),
                   f"{s['prompt_tokens']:,}", f"{s['completion_tokens']:,}", str(s["failed_output"]))
@@ -250,48 +269,55 @@ def render_summary(summary: dict[str, Any], console) -> None:
               f"{llm['completion_tokens']:,}", str(sum(s["failed_output"] for s in llm["by_stage"])), style="bold")
     if llm["models"]:
         t.caption = Text("model: " + ", ".join(f"{m['model']} ({m['backend']})" for m in llm["models"]))
-    console.print(t)
+    return t
 
+
+def _wall_table(summary: dict[str, Any]):
     wall = summary.get("wall_s_by_stage") or {}
-    if wall:
-        t = Table(title="Wall time by stage", box=box.SIMPLE_HEAD, title_justify="left")
-        t.add_column("stage")
-        t.add_column("wall time", justify="right")
-        for stage, s in wall.items():
-            t.add_row(stage, _fmt_s(s))
-        if summary.get("wall_s") is not None:
-            t.add_row("other: start-up, model loads, orchestration",
-                      _fmt_s(max(0.0, summary["wall_s"] - sum(wall.values()))))
-        t.add_row("total (command)", _fmt_s(summary.get("wall_s")), style="bold")
-        console.print(t)
+    if not wall:
+        return None
+    t = _table("Wall time by stage", "stage")
+    t.add_column("wall time", justify="right")
+    for stage, s in wall.items():
+        t.add_row(stage, _fmt_s(s))
+    if summary.get("wall_s") is not None:
+        t.add_row("other: start-up, model loads, orchestration", _fmt_s(max(0.0, summary["wall_s"] - sum(wall.values()))))
+    t.add_row("total (command)", _fmt_s(summary.get("wall_s")), style="bold")
+    return t
 
-    if loc:
-        t = Table(title="Where things are", box=box.SIMPLE_HEAD, title_justify="left")
-        t.add_column("what")
-        t.add_column("where", overflow="fold")
-        names = {"data_root": "tables (Delta Lake)", "warehouse": "warehouse (DuckDB)", "quarantine": "bad rows",
-                 "dagster_home": "run history (Dagster UI)", "summary_json": "this summary as JSON", "log": "full log"}
-        for k, label in names.items():
-            if loc.get(k):
-                t.add_row(label, Text(str(loc[k])))
-        console.print(t)
+
+def _where_table(loc: dict[str, Any]):
+    from rich.text import Text
+
+    if not loc:
+        return None
+    t = _table("Where things are", "what")
+    t.add_column("where", overflow="fold")
+    names = {"data_root": "tables (Delta Lake)", "warehouse": "warehouse (DuckDB)", "quarantine": "bad rows",
+             "dagster_home": "run history (Dagster UI)", "summary_json": "this summary as JSON", "log": "full log"}
+    for k, label in names.items():
+        if loc.get(k):
+            t.add_row(label, Text(str(loc[k])))
+    return t
+
+
+def _samples_table(summary: dict[str, Any]):
+    from rich.text import Text
 
     samples = summary.get("samples") or []
-    if samples:
-        t = Table(title="One memory and one user state per user", box=box.SIMPLE_HEAD, title_justify="left",
-                  show_lines=True)
-        t.add_column("user")
-        t.add_column("memory", ratio=1, overflow="fold")
-        t.add_column("user state (query -> state, citations)", ratio=2, overflow="fold")
-        for s in samples:
-            m = s["memory"]
-            mem = f"[{m['type']}] {_cut(m['content'])}\nturns {m['evidence_turn_ids']}" if m else "-"
-            t.add_row(Text(s["user_id"]), Text(mem), Text(_state_text(s["state"])))
-        omitted = summary.get("samples_omitted_users", 0)
-        if omitted:
-            t.caption = f"{omitted} more users not shown: `qumem show USER_ID`"
-        console.print(t)
-    console.print(Panel(Text(summary["quality_note"]), title="output quality", title_align="left"))
+    if not samples:
+        return None
+    t = _table("One memory and one user state per user", "user", show_lines=True)
+    t.add_column("memory", ratio=1, overflow="fold")
+    t.add_column("user state (query -> state, citations)", ratio=2, overflow="fold")
+    for s in samples:
+        m = s["memory"]
+        mem = f"[{m['type']}] {_cut(m['content'])}\nturns {m['evidence_turn_ids']}" if m else "-"
+        t.add_row(Text(s["user_id"]), Text(mem), Text(_state_text(s["state"])))
+    omitted = summary.get("samples_omitted_users", 0)
+    if omitted:
+        t.caption = f"{omitted} more users not shown: `qumem show USER_ID`"
+    return t
 
 
 def _state_text(state: dict | None, cut: bool = True) -> str:
