@@ -82,6 +82,7 @@ def test_migration_is_lossless(tmp_path):
     assert layout.read_user_table("memories", "alice")["confidence"].to_list() == [None]
     assert sorted(layout.read_user_table("memory_checkpoints", "alice")["key"]) == ["k0", "k1"]
     assert ForgetRegistry(new).contains("eve")
+    assert ForgetRegistry(new).tombstones.erased_among(["eve", "alice"]) == {"eve"}  # deleted by the old layout
 
 
 def test_mismatch_is_detected(tmp_path):

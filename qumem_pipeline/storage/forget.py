@@ -74,13 +74,14 @@ class ForgetRegistry:
         self.tombstones.refresh()
 
     def add_legacy_digests(self, digests: list[str]) -> None:
-        """Carry a pre-table registry's sha256 digests over (storage/migrate.py), as legacy rows."""
+        """Carry a pre-table registry's sha256 digests over (storage/migrate.py), as legacy rows. They
+        are `erased`: the old layout deleted those users when it recorded them."""
         from datetime import datetime, timezone
 
-        from qumem_pipeline.storage.tombstones import FORGET, LEGACY_KEY_ID, REGISTRY_KEY, SCHEMA
+        from qumem_pipeline.storage.tombstones import LEGACY_KEY_ID, REGISTRY_KEY, SCHEMA
 
         now = datetime.now(timezone.utc)
-        df = pl.DataFrame([{"digest": d, "key_id": LEGACY_KEY_ID, "action": FORGET, "at": now} for d in digests],
+        df = pl.DataFrame([{"digest": d, "key_id": LEGACY_KEY_ID, "action": ERASED, "at": now} for d in digests],
                           schema=SCHEMA).with_columns(pl.lit(REGISTRY_KEY).alias("_owner"))
         if df.height:
             self.tombstones.store.append(REGISTRY_TABLE, df, key_column="_owner", guarded=False)
