@@ -28,6 +28,7 @@ STRATEGY_MODULES = {
     "qumem_pipeline.query.strategies.qumem",
     "qumem_pipeline.query.strategies.topk",
     "qumem_pipeline.query.strategies.adamem.strategy",
+    "qumem_pipeline.query.strategies.hybrid",
 }
 
 
@@ -164,7 +165,7 @@ def test_strategies_never_import_each_other():
 def test_every_registered_strategy_has_a_module_here():
     from qumem_pipeline.query.strategies.registry import STRATEGY_NAMES, get_strategy
 
-    assert set(STRATEGY_NAMES) == {"qumem", "topk", "adamem"}
+    assert set(STRATEGY_NAMES) == {"qumem", "topk", "adamem", "qumem_hybrid"}
     for name in STRATEGY_NAMES:
         s = get_strategy(name)
         assert s.name == name and s.version and type(s).__module__ in STRATEGY_MODULES

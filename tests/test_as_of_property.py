@@ -26,6 +26,7 @@ from qumem_pipeline.ingest.validate import validate
 from qumem_pipeline.query.queries import as_of_position, read_queries, to_queries
 from qumem_pipeline.query.retrieval import TypedMemoryRetriever
 from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever, UserBundle
+from qumem_pipeline.query.strategies.hybrid import HybridRetriever
 from qumem_pipeline.query.strategies.registry import STRATEGY_NAMES, infer_user_states
 from test_query_state import ScriptedLLM
 from tests.conftest import write_jsonl
@@ -111,13 +112,14 @@ def embedder():
 
 
 def run_strategy(name, queries, turns, mems, embedder):
+    bundles = lambda: AdaMemRetriever({USER: UserBundle.build(USER, turns, mems, embedder, episodes=episodes_for(turns))},  # noqa: E731
+                                      embedder)
     if name == "adamem":
-        bundle = UserBundle.build(USER, turns, mems, embedder, episodes=episodes_for(turns))
-        return infer_user_states(queries, ScriptedLLM(SCRIPT), AdaMemRetriever({USER: bundle}, embedder),
-                                 strategy=name, k=50)
+        return infer_user_states(queries, ScriptedLLM(SCRIPT), bundles(), strategy=name, k=50)
     store = VectorStore.in_memory([build_user_indexes(embed_memories(mems, embedder), USER)])
-    return infer_user_states(queries, ScriptedLLM(SCRIPT), TypedMemoryRetriever(store, embedder, mems),
-                             strategy=name, k=50, respond=True)
+    typed = TypedMemoryRetriever(store, embedder, mems)
+    retriever = HybridRetriever(typed, bundles()) if name == "qumem_hybrid" else typed
+    return infer_user_states(queries, ScriptedLLM(SCRIPT), retriever, strategy=name, k=50, respond=True)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -24,17 +24,26 @@ class CountingBackend(BackendBase):
     backend_name = "local"
     model_name = "tiny-model"
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, cut_once: set[str] = frozenset()) -> None:
         self.sent: list[str] = []
         self.fail = fail
+        self.cut_once = set(cut_once)  # prompts whose first answer is cut at max_tokens (a bad output)
 
     def generate(self, requests):
         if self.fail:
             raise LLMEndpointError("http://nowhere", "refused", 1)
         self.sent += [r.request_id for r in requests]
-        return [ChatResult(r.request_id, {"answer": str(len(r.messages[0]["content"]))},
-                           json.dumps({"answer": str(len(r.messages[0]["content"]))}), None, 7, 3, 5, 0.1, 1, "stop")
-                for r in requests]
+        out = []
+        for r in requests:
+            text = r.messages[0]["content"]
+            if text in self.cut_once:
+                self.cut_once.discard(text)
+                out.append(ChatResult(r.request_id, None, '{"answer": "', "length: output cut at max_tokens", 7, 16, 5, 0.1, 1,
+                                      "length"))
+                continue
+            out.append(ChatResult(r.request_id, {"answer": str(len(text))}, json.dumps({"answer": str(len(text))}),
+                                  None, 7, 3, 5, 0.1, 1, "stop"))
+        return out
 
 
 def req(text: str, rid: str = "conv-1#0/answer", max_tokens: int = 16) -> ChatRequest:
@@ -90,10 +99,18 @@ def test_entries_are_content_addressed_and_byte_stable(tmp_path):
 
 def test_retry_of_a_request_is_its_own_entry_and_failures_are_not_recorded(tmp_path):
     rec = EvalRecord(tmp_path / "rec")
-    b = RecordBackend(CountingBackend(), rec)
-    b.generate([req("same")])
-    b.generate([req("same")])  # the same request again in one run: the n-th occurrence
-    assert len(rec.keys()) == 2
+    inner = CountingBackend(cut_once={"same"})
+    b = RecordBackend(inner, rec)
+    assert b.generate([req("same")])[0].error  # a bad output (cut at max_tokens): recorded as what came back
+    assert b.generate([req("same")])[0].parsed == {"answer": "4"}  # its retry: the 2nd occurrence, sent
+    assert len(rec.keys()) == 2 and len(inner.sent) == 2
+    # a third identical request (another strategy asking the very same thing) is answered by the good
+    # entry: not sent, nothing added; a replay of the run finds every call in the record
+    assert b.generate([req("same")])[0].parsed == {"answer": "4"}
+    assert len(inner.sent) == 2 and len(rec.keys()) == 2
+    replay = RecordBackend(None, rec, identity=b.identity)
+    assert [replay.generate([req("same")])[0].parsed for _ in range(3)] == [None, {"answer": "4"}, {"answer": "4"}]
+    assert not replay.missing
     dead = RecordBackend(CountingBackend(fail=True), rec)
     with pytest.raises(LLMEndpointError):
         dead.generate([req("never answered")])

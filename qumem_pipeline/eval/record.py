@@ -289,6 +289,7 @@ class RecordBackend(BackendBase):
         self.touched: set[str] = set()
         self.missing: dict[str, dict] = {}
         self._occ: dict[str, int] = defaultdict(int)
+        self._earlier: dict[str, list[str]] = {}  # key of an n-th identical request -> keys of the earlier ones
         self.used: dict[str, dict[str, int]] = defaultdict(
             lambda: {"calls": 0, "errors": 0, "salvaged": 0, "prompt_tokens": 0, "completion_tokens": 0})
 
@@ -330,7 +331,10 @@ class RecordBackend(BackendBase):
         base, _ = call_key(self.identity, req)
         n = self._occ[base]
         self._occ[base] += 1
-        return call_key(self.identity, req, n)
+        key, fields = call_key(self.identity, req, n)
+        if n:
+            self._earlier[key] = [call_key(self.identity, req, m)[0] for m in range(n - 1, -1, -1)]
+        return key, fields
 
     def _conversation(self, req: ChatRequest) -> str | None:
         if self._tags.get("conversation"):
@@ -342,14 +346,31 @@ class RecordBackend(BackendBase):
         return m.group(1).split("#")[0] if m else None
 
     def _hit(self, req: ChatRequest, key: str) -> ChatResult | None:
+        """The recorded answer to this call; for the n-th identical request of the run, the n-th entry,
+        else an earlier one that answered it well: another strategy asking the very same thing (the
+        qumem_hybrid strategy's A1/A2 are qumem's) is not paid for again. Only a retry after a bad
+        output, whose earlier entries all failed, is sent."""
         self.touched.add(key)
         e = self.record.get(key)
         if e is None:
-            return None
+            return self._answered_earlier(req, key)
         self.hits += 1
         parsed, error, salvaged = read_output(e["output"], req.json_schema, e["finish_reason"], req.max_tokens)
         return ChatResult(req.request_id, parsed, e["output"], error, int(e["prompt_tokens"]),
                           int(e["completion_tokens"]), None, 0.0, 0, e["finish_reason"], salvaged)
+
+    def _answered_earlier(self, req: ChatRequest, key: str) -> ChatResult | None:
+        for earlier in self._earlier.get(key, ()):
+            e = self.record.get(earlier)
+            if e is None:
+                continue
+            parsed, error, salvaged = read_output(e["output"], req.json_schema, e["finish_reason"], req.max_tokens)
+            if error is None:
+                self.touched.add(earlier)
+                self.hits += 1
+                return ChatResult(req.request_id, parsed, e["output"], None, int(e["prompt_tokens"]),
+                                  int(e["completion_tokens"]), None, 0.0, 0, e["finish_reason"], salvaged)
+        return None
 
     def _miss(self, req: ChatRequest, key: str) -> ChatResult:
         m = _QUESTION.search(req.request_id)

@@ -2,7 +2,8 @@
 asset and the personalization job (`query.personalize`) take it from.
 
 `typed` strategies search the per-user, per-type FAISS indexes (`retrieval.TypedMemoryRetriever`);
-`adamem` walks the user bundles (turns, memories with their embeddings, memory graph, persona profiles).
+`adamem` walks the user bundles (turns, memories with their embeddings, memory graph, persona profiles);
+`hybrid` (`qumem_hybrid`) gets both.
 """
 
 import polars as pl
@@ -11,6 +12,7 @@ from qumem_pipeline.index.vector_store import VectorStore
 from qumem_pipeline.query.retrieval import TypedMemoryRetriever
 from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever, UserBundle
 from qumem_pipeline.query.strategies.base import QueryStrategy
+from qumem_pipeline.query.strategies.hybrid import HybridRetriever
 from qumem_pipeline.storage.layout import DataLayout
 
 GRAPH_NODES, GRAPH_EDGES = "memory_graph_nodes", "memory_graph_edges"
@@ -31,7 +33,7 @@ def adamem_retriever(layout: DataLayout, users: list[str], turns_by_user: dict, 
     for u in users:
         nodes, edges = layout.read_user_table(GRAPH_NODES, u), layout.read_user_table(GRAPH_EDGES, u)
         if turns_by_user.get(u) is None or nodes is None or edges is None:
-            raise MissingUpstream(f"user {u}: materialize `turns` and `memory_graph` first (strategy adamem)")
+            raise MissingUpstream(f"user {u}: materialize `turns` and `memory_graph` first (strategies adamem, qumem_hybrid)")
         bundles[u] = UserBundle.build(u, turns_by_user[u], mems.filter(pl.col("user_id") == u), embedder,
                                       nodes=nodes, edges=edges, profiles=layout.read_user_table("persona_profiles", u),
                                       memory_vectors=vectors)
@@ -43,4 +45,7 @@ def retriever_for(strategy: QueryStrategy, layout: DataLayout, users: list[str],
     """The retriever `strategy.infer` expects (`strategy.retriever_kind`) over these users' tables."""
     if strategy.retriever_kind == "adamem":
         return adamem_retriever(layout, users, turns_by_user, mems, embedder)
-    return TypedMemoryRetriever(VectorStore(layout), embedder, mems)
+    typed = TypedMemoryRetriever(VectorStore(layout), embedder, mems)
+    if strategy.retriever_kind == "hybrid":
+        return HybridRetriever(typed, adamem_retriever(layout, users, turns_by_user, mems, embedder))
+    return typed

@@ -14,7 +14,11 @@ word budgets on every list, so recall is compared at equal budget.
   planned sub-query and store over an in-memory per-type FAISS store of the conversation's memories,
   merged and de-duplicated best score first; then backfilled with the remaining memories in the
   ``topk`` order (raw-question dense similarity) so it spends the same budget as the others (its own
-  candidates rarely fill 1024 words). Needs an LLM and a memories table; reported as skipped without.
+  candidates rarely fill 1024 words). Needs an LLM and a memories table; reported as skipped without;
+- ``qumem_hybrid``: the query's own ``adamem`` top-10 (AdaMem's hybrid retrieval, as the strategy
+  runs it ``ANCHOR_DEPTH * k`` deep), then the memories ``qumem``'s plan rewrites found (k = 5 per
+  sub-query and store, best score first) that are not placed yet, then the ``adamem`` turn backfill.
+  Same planning calls as ``qumem`` (a record holding qumem's plans answers them); same needs.
 """
 
 from collections.abc import Sequence
@@ -27,9 +31,10 @@ from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, UserBund
 from qumem_pipeline.query.strategies.adamem.route import plan_route
 from qumem_pipeline.query.strategies.registry import STRATEGY_NAMES as EVAL_STRATEGIES
 
-NEEDS_LLM = {"qumem": "qumem's A1/A2 planning needs an LLM; not run (retrieval-only evaluation: give --llm-kind "
-                      "or --decompose to run it)"}
-NEEDS_MEMORIES = {"qumem": "qumem retrieves typed memories: give a memories table (--memories) or --decompose"}
+NEEDS_LLM = {s: f"{s}'s A1/A2 planning needs an LLM; not run (retrieval-only evaluation: give --llm-kind "
+                 "or --decompose to run it)" for s in ("qumem", "qumem_hybrid")}
+NEEDS_MEMORIES = {s: f"{s} retrieves typed memories: give a memories table (--memories) or --decompose"
+                  for s in ("qumem", "qumem_hybrid")}
 
 
 def conversation_memories(conv, memories: pl.DataFrame | None) -> pl.DataFrame | None:
@@ -62,8 +67,8 @@ def strategy_rankings(conv, questions: Sequence[str], qvecs: np.ndarray, strateg
                       qumem_stats: dict | None = None, source_weight: float = SOURCE_WEIGHT) -> dict[str, list[list]]:
     """strategy -> per question, ranked units (``make_unit(dia_ids, text)`` builds one).
 
-    ``qumem`` runs only with an ``llm`` and memories for this conversation (else it is absent from
-    the result); its planning cost and repairs go to ``qumem_stats`` when given. Memories are keyed
+    ``qumem`` and ``qumem_hybrid`` run only with an ``llm`` and memories for this conversation (else
+    they are absent from the result); the planning's cost and repairs go to ``qumem_stats`` when given. Memories are keyed
     by their text and source turns (``index.memory_keys``, ``source_weight``) for ``topk`` and ``qumem``.
     """
     as_of = int(conv.turns["turn_index"].max())
@@ -76,8 +81,8 @@ def strategy_rankings(conv, questions: Sequence[str], qvecs: np.ndarray, strateg
     dense_turns = np.argsort(-(qvecs @ tvecs.T), axis=1, kind="stable")
     mems = conversation_memories(conv, memories)
     out: dict[str, list[list]] = {}
-    run_qumem = "qumem" in strategies and llm is not None and mems is not None
-    if mems is not None and ("topk" in strategies or run_qumem):
+    planned = [s for s in ("qumem", "qumem_hybrid") if s in strategies] if llm is not None and mems is not None else []
+    if mems is not None and ("topk" in strategies or planned):
         sources = {m: [lines[row_of[t]][2] for t in ev if t in row_of]
                    for m, ev in zip(mems["memory_id"].to_list(), mems["evidence_turn_ids"].to_list())}
         mv = keys_for(mems, sources, embedder, source_weight)
@@ -88,52 +93,60 @@ def strategy_rankings(conv, questions: Sequence[str], qvecs: np.ndarray, strateg
             out["topk"] = [[munits[j] for j in row] for row in order]
         else:
             out["topk"] = [[turn_units[j] for j in row] for row in dense_turns]
-    if run_qumem:
-        out["qumem"] = _qumem_ranked(conv, questions, mems, munits, order, embedder, llm, as_of, qumem_stats,
-                                     sources, source_weight)
-    if "adamem" in strategies:
-        empty = pl.DataFrame(schema={"memory_id": pl.String, "user_id": pl.String, "type": pl.String, "content": pl.String,
-                                     "episode_id": pl.String, "evidence_turn_ids": pl.List(pl.Int64), "position": pl.Int64,
-                                     "valid_from": pl.Datetime("us", "UTC")})
-        turns = conv.turns
-        eps = episodes if episodes is not None and episodes.height else session_episodes(turns)
-        bundle = UserBundle.build(conv.user_id, turns, mems if mems is not None else empty, embedder, episodes=eps)
-        ranked = []
-        for qi, q in enumerate(questions):
-            hits = bundle.retrieve(q, qvecs[qi], as_of, plan_route(q), DEFAULT_K)
-            units, seen = [], set()
-            for h in hits:
-                if h.unit.kind == "turn":
-                    seen.add(row_of[h.unit.position])
-                    units.append(turn_units[row_of[h.unit.position]])
-                else:
-                    units.append(make_unit([dia_of[t] for t in h.unit.evidence], h.unit.content))
-            units += [turn_units[j] for j in dense_turns[qi] if j not in seen]
-            ranked.append(units)
-        out["adamem"] = ranked
+    res = None
+    if planned:
+        res = _qumem_planning(conv, questions, mems, embedder, llm, as_of, qumem_stats, sources, source_weight)
+    if "qumem" in planned:
+        out["qumem"] = _qumem_ranked(res, mems, munits, order)
+    if "adamem" in strategies or "qumem_hybrid" in planned:
+        hits = _adamem_hits(conv, questions, qvecs, embedder, mems, episodes, as_of)
+
+        def units_of(h):
+            if h.unit.kind == "turn":
+                return turn_units[row_of[h.unit.position]]
+            return make_unit([dia_of[t] for t in h.unit.evidence], h.unit.content)
+
+        def backfill(qi, hs):  # the remaining turns by dense similarity: every list spends the same budget
+            seen = {row_of[h.unit.position] for h in hs if h.unit.kind == "turn"}
+            return [turn_units[j] for j in dense_turns[qi] if j not in seen]
+
+        if "adamem" in strategies:
+            out["adamem"] = [[units_of(h) for h in hs] + backfill(qi, hs) for qi, hs in enumerate(hits)]
+        if "qumem_hybrid" in planned:
+            first_row = _first_rows(mems)
+            ranked = []
+            for qi, hs in enumerate(hits):
+                placed = {h.unit.unit_id for h in hs}
+                extra = [munits[first_row[m]] for m in dict.fromkeys(res.rewrite_ids[qi]) if m not in placed]
+                ranked.append([units_of(h) for h in hs] + extra + backfill(qi, hs))
+            out["qumem_hybrid"] = ranked
     return out
 
 
-def _qumem_ranked(conv, questions, mems, munits, topk_order, embedder, llm, as_of, qumem_stats, sources,
-                  source_weight) -> list[list]:
-    """Planned retrieval first, then the other memories in topk order (the equal-budget backfill)."""
+def _first_rows(mems: pl.DataFrame) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for j, m in enumerate(mems["memory_id"].to_list()):
+        first.setdefault(m, j)
+    return first
+
+
+def _adamem_hits(conv, questions, qvecs, embedder, mems, episodes, as_of) -> list[list]:
+    """AdaMem's own top-k (DEFAULT_K) per question, from a bundle of the conversation's turns and memories."""
+    empty = pl.DataFrame(schema={"memory_id": pl.String, "user_id": pl.String, "type": pl.String, "content": pl.String,
+                                 "episode_id": pl.String, "evidence_turn_ids": pl.List(pl.Int64), "position": pl.Int64,
+                                 "valid_from": pl.Datetime("us", "UTC")})
+    turns = conv.turns
+    eps = episodes if episodes is not None and episodes.height else session_episodes(turns)
+    bundle = UserBundle.build(conv.user_id, turns, mems if mems is not None else empty, embedder, episodes=eps)
+    return [bundle.retrieve(q, qvecs[qi], as_of, plan_route(q), DEFAULT_K) for qi, q in enumerate(questions)]
+
+
+def _qumem_planning(conv, questions, mems, embedder, llm, as_of, qumem_stats, sources, source_weight):
+    """qumem's planned retrieval for every question (A1/A2 one batch each); its cost to ``qumem_stats``."""
     from qumem_pipeline.eval.locomo.qumem_units import qumem_planned_retrieval
 
     res = qumem_planned_retrieval(conv.sample_id, conv.user_id, questions, mems, embedder, llm, as_of,
                                   sources=sources, source_weight=source_weight)
-    mids = mems["memory_id"].to_list()
-    first_row = {}
-    for j, m in enumerate(mids):
-        first_row.setdefault(m, j)
-    ranked = []
-    for qi, planned in enumerate(res.memory_ids):
-        placed = set(planned)
-        units = [munits[first_row[m]] for m in planned]
-        for j in topk_order[qi]:
-            if mids[j] not in placed:
-                placed.add(mids[j])
-                units.append(munits[j])
-        ranked.append(units)
     if qumem_stats is not None:
         qumem_stats[conv.sample_id] = {
             "questions": len(questions), "a1_a2_prompt_tokens": res.prompt_tokens,
@@ -143,4 +156,20 @@ def _qumem_ranked(conv, questions, mems, munits, topk_order, embedder, llm, as_o
             "mean_planned_sub_queries": round(sum(len(p) for p in res.plans) / max(len(res.plans), 1), 2),
             "mean_planned_memories": round(sum(len(m) for m in res.memory_ids) / max(len(res.memory_ids), 1), 2),
         }
+    return res
+
+
+def _qumem_ranked(res, mems, munits, topk_order) -> list[list]:
+    """Planned retrieval first, then the other memories in topk order (the equal-budget backfill)."""
+    mids = mems["memory_id"].to_list()
+    first_row = _first_rows(mems)
+    ranked = []
+    for qi, planned in enumerate(res.memory_ids):
+        placed = set(planned)
+        units = [munits[first_row[m]] for m in planned]
+        for j in topk_order[qi]:
+            if mids[j] not in placed:
+                placed.add(mids[j])
+                units.append(munits[j])
+        ranked.append(units)
     return ranked

@@ -186,12 +186,11 @@ class ConversationContext:
 
         return [Query(q.key, self.conv.user_id, q.question, self.as_of) for q in questions]
 
-    def qumem_states(self, questions: Sequence[QAQuestion], llm) -> list["StateRow | None"]:
-        """Z_q per question (A1 -> A2 -> typed retrieval -> A3), None where A3 gave nothing usable."""
+    def _typed_retriever(self):
+        """The typed memory stores (FAISS per type) over this conversation's memories, built once."""
         from qumem_pipeline.index.embeddings import embed_memories
         from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
         from qumem_pipeline.query.retrieval import TypedMemoryRetriever
-        from qumem_pipeline.query.strategies.registry import infer_user_states
 
         if self._qumem is None:
             mems = self.memories.with_columns(
@@ -199,14 +198,12 @@ class ConversationContext:
             store = VectorStore.in_memory([build_user_indexes(
                 embed_memories(mems, self.emb, sources=self.memory_sources()), self.conv.user_id)])
             self._qumem = TypedMemoryRetriever(store, self.emb, mems)
-        out = infer_user_states(self.queries(questions), llm, self._qumem, strategy="qumem", k=QUMEM_K)
-        return _state_rows(out.states, questions)
+        return self._qumem
 
-    def adamem_states(self, questions: Sequence[QAQuestion], llm) -> list["StateRow | None"]:
+    def _adamem_retriever(self):
+        """AdaMem's bundle (turns, memories, graph from the episodes or the sessions), built once."""
         from qumem_pipeline.eval.locomo.adamem_units import session_episodes
-        from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, UserBundle
-        from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever
-        from qumem_pipeline.query.strategies.adamem.strategy import infer_adamem_states
+        from qumem_pipeline.query.strategies.adamem.retriever import AdaMemRetriever, UserBundle
 
         if self._adamem is None:
             mems = self.memories if self.memories is not None else pl.DataFrame(schema={
@@ -217,7 +214,30 @@ class ConversationContext:
             eps = self.episodes if self.episodes is not None and self.episodes.height else session_episodes(turns)
             bundle = UserBundle.build(self.conv.user_id, turns, mems, self.emb, episodes=eps)
             self._adamem = AdaMemRetriever({self.conv.user_id: bundle}, self.emb)
-        out = infer_adamem_states(self.queries(questions), llm, self._adamem, k=DEFAULT_K)
+        return self._adamem
+
+    def qumem_states(self, questions: Sequence[QAQuestion], llm) -> list["StateRow | None"]:
+        """Z_q per question (A1 -> A2 -> typed retrieval -> A3), None where A3 gave nothing usable."""
+        from qumem_pipeline.query.strategies.registry import infer_user_states
+
+        out = infer_user_states(self.queries(questions), llm, self._typed_retriever(), strategy="qumem", k=QUMEM_K)
+        return _state_rows(out.states, questions)
+
+    def hybrid_states(self, questions: Sequence[QAQuestion], llm) -> list["StateRow | None"]:
+        """Z_q per question by ``qumem_hybrid``: qumem's plans over the typed stores plus AdaMem's
+        hybrid retrieval of the question itself, A3 on both."""
+        from qumem_pipeline.query.strategies.hybrid import HybridRetriever
+        from qumem_pipeline.query.strategies.registry import infer_user_states
+
+        retriever = HybridRetriever(self._typed_retriever(), self._adamem_retriever())
+        out = infer_user_states(self.queries(questions), llm, retriever, strategy="qumem_hybrid", k=QUMEM_K)
+        return _state_rows(out.states, questions)
+
+    def adamem_states(self, questions: Sequence[QAQuestion], llm) -> list["StateRow | None"]:
+        from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K
+        from qumem_pipeline.query.strategies.adamem.strategy import infer_adamem_states
+
+        out = infer_adamem_states(self.queries(questions), llm, self._adamem_retriever(), k=DEFAULT_K)
         return _state_rows(out.states, questions)
 
     def unit_texts(self) -> dict:
@@ -371,7 +391,8 @@ def _contexts(s: str, cx: ConversationContext, part: list[QAQuestion], llm, word
         qv = emb.encode([q.question for q in part])
         got = cx.topk_turns(qv, words) if s == "topk_turns" else cx.topk_memories(qv, words)
         return [g[0] for g in got], [{"context_words": g[1]} for g in got]
-    rows = cx.qumem_states(part, llm) if s == "qumem" else cx.adamem_states(part, llm)
+    states = {"qumem": cx.qumem_states, "qumem_hybrid": cx.hybrid_states, "adamem": cx.adamem_states}[s]
+    rows = states(part, llm)
     dates, units = cx.unit_dates(), cx.unit_texts()
     texts = [render_grounded(r, units, dates, words) for r in rows]
     return texts, [{"context_words": len(t.split()), "state_ok": r is not None and r.state is not None}

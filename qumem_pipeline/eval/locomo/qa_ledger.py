@@ -93,13 +93,19 @@ class LedgerBackend(BackendBase):
                 self._rows[row["fingerprint"]].append(row)
 
     def _replay(self, req: ChatRequest, fp: str) -> ChatResult | None:
-        """The ledger's answer to this call (the n-th of its request this run), or None: it must be sent."""
+        """The ledger's answer to this call (the n-th of its request this run), or None: it must be sent.
+        Past the rows of that request, its latest good answer: another strategy asking the very same
+        thing (qumem_hybrid's A1/A2 are qumem's) is not paid for twice; a retry after a bad output is."""
         nth = self._seen[fp]
         self._seen[fp] += 1
         rows = self._rows.get(fp, [])
         if nth >= len(rows):
-            return None
-        row = rows[nth]
+            good = [r for r in rows if r["status"] == "ok"]
+            if not good:
+                return None
+            row = good[-1]
+        else:
+            row = rows[nth]
         self.replayed += 1
         # read again, not copied: a finished output reads as this code reads it (a salvage added later included)
         parsed, error, salvaged = read_output(row["raw_text"], req.json_schema, row["finish_reason"], req.max_tokens)

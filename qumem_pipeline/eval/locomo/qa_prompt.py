@@ -3,8 +3,8 @@
 import hashlib
 import json
 
-QA_STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem")
-MEMORY_STRATEGIES = ("topk_memories", "qumem")
+QA_STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid")
+MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid")
 HEADLINE = (1, 2, 3, 4)
 DEFAULT_WORDS = 512
 DEFAULT_CHUNK = 32

@@ -7,7 +7,8 @@ conversation's questions in one batch each (``plan_retrieval``), then ``TypedMem
 runs the strategy's own retrieval step (``user_state.retrieve_planned``: every plan, k per planned
 sub-query and store, plus the query itself over every store ``ANCHOR_DEPTH`` times deeper) with
 as_of = the end of the conversation; its merged, de-duplicated candidates (best score first) are
-the strategy's ranking. A3 is not run: the harness measures retrieval only.
+the strategy's ranking. A3 is not run: the harness measures retrieval only. What the plan's
+rewrites alone found (no anchor) is kept too: ``qumem_hybrid`` adds it to AdaMem's hybrid top-k.
 """
 
 from collections.abc import Mapping, Sequence
@@ -17,8 +18,8 @@ import polars as pl
 
 from qumem_pipeline.index.embeddings import embed_memories
 from qumem_pipeline.query.strategies.base import Query
-from qumem_pipeline.query.strategies.qumem import anchored, plan_retrieval
-from qumem_pipeline.query.strategies.user_state import retrieve_planned
+from qumem_pipeline.query.strategies.planning import anchored, plan_retrieval
+from qumem_pipeline.query.strategies.user_state import is_query_anchor, retrieve_planned
 from qumem_pipeline.query.retrieval import DEFAULT_K, TypedMemoryRetriever
 from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes, normalize_type
 
@@ -29,6 +30,7 @@ class QumemPlanning:
 
     memory_ids: list[list[str]]  # per question: retrieved memory ids, best first
     plans: list[list[tuple[str, list[str]]]]
+    rewrite_ids: list[list[str]]  # per question: what the plan's rewrites alone found (qumem_hybrid), best first
     repaired: list[str | None]
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -49,7 +51,12 @@ def qumem_planned_retrieval(conv_id: str, user_id: str, questions: Sequence[str]
     retriever = TypedMemoryRetriever(store, embedder, mems)
     queries = [Query(f"{conv_id}/q{i}", user_id, q, as_of) for i, q in enumerate(questions)]
     _, plans, repaired, tokens = plan_retrieval(queries, llm)
+    rewrites = [[e for e in p if not is_query_anchor(e, q.query)] for p, q in zip(plans, queries)]
     plans, anchor_k = anchored(plans, queries, k)
     cands = retrieve_planned(queries, plans, retriever, k=k, anchor_k=anchor_k)
-    ids = [[c.memory_id for c in sorted(row, key=lambda c: (-c.score, c.memory_id))] for row in cands]
-    return QumemPlanning(ids, plans, repaired, sum(t[0] for t in tokens), sum(t[1] for t in tokens))
+    return QumemPlanning(_best_first(cands), plans, _best_first(retrieve_planned(queries, rewrites, retriever, k=k)),
+                         repaired, sum(t[0] for t in tokens), sum(t[1] for t in tokens))
+
+
+def _best_first(candidates: list[list]) -> list[list[str]]:
+    return [[c.memory_id for c in sorted(row, key=lambda c: (-c.score, c.memory_id))] for row in candidates]

@@ -12,10 +12,11 @@ from typing import Any, Sequence
 from qumem_pipeline.llm.base import LLMBackend
 from qumem_pipeline.query.strategies.adamem.strategy import AdaMemStrategy
 from qumem_pipeline.query.strategies.base import Progress, Query, QueryStrategy, StateOutput
+from qumem_pipeline.query.strategies.hybrid import QumemHybridStrategy
 from qumem_pipeline.query.strategies.qumem import QumemStrategy
 from qumem_pipeline.query.strategies.topk import TopKStrategy
 
-_STRATEGIES: dict[str, QueryStrategy] = {s.name: s for s in (QumemStrategy(), TopKStrategy(), AdaMemStrategy())}
+_STRATEGIES: dict[str, QueryStrategy] = {s.name: s for s in (QumemStrategy(), TopKStrategy(), AdaMemStrategy(), QumemHybridStrategy())}
 STRATEGY_NAMES: tuple[str, ...] = tuple(_STRATEGIES)
 
 

@@ -77,8 +77,10 @@ class Plans:
 def infer_from_plans(
     strategy: str, queries: Sequence[Query], planned: Plans, llm: LLMBackend, retriever: Retriever, tokens: TokenCounts,
     *, k: int, respond: bool, created_at: datetime | None, progress: Progress | None, anchor_k: int | None = None,
+    candidates: Sequence[Sequence] | None = None,
 ) -> StateOutput:
-    """``anchor_k``: the query itself is also retrieved over every store, this deep (its plan rewrites get ``k``)."""
+    """``anchor_k``: the query itself is also retrieved over every store, this deep (its plan rewrites get ``k``).
+    ``candidates``: what a strategy retrieved its own way (per query), instead of ``retrieve_planned``."""
     created_at = created_at or datetime.now(timezone.utc)
     n = len(queries)
     quarantine: list[dict] = []
@@ -87,8 +89,11 @@ def infer_from_plans(
         if progress:
             progress(name, n, n)
 
-    candidates = [sorted(cs, key=lambda c: (c.position, -c.score))
-                  for cs in retrieve_planned(queries, planned.plans, retriever, k=k, anchor_k=anchor_k)]
+    if candidates is None:
+        candidates = retrieve_planned(queries, planned.plans, retriever, k=k, anchor_k=anchor_k)
+    else:
+        check_no_future(queries, candidates)
+    candidates = [sorted(cs, key=lambda c: (c.position, -c.score)) for cs in candidates]
     step("retrieval")
 
     # A3: user states, one batch.

@@ -30,6 +30,7 @@ from qumem_pipeline.query.strategies.adamem.lexical import BM25Index
 from qumem_pipeline.query.strategies.adamem.participants import AMBIGUOUS, BOTH, Participants, owners_for, resolve
 from qumem_pipeline.query.strategies.adamem.route import RoutePlan
 from qumem_pipeline.query.strategies.adamem.text import tokens
+from qumem_pipeline.query.strategies.base import RetrievedMemory
 
 CHANNEL_DEPTH = 10  # candidates per baseline channel
 SCORE_DROP = 0.08  # a fact-hit score gap larger than this ends reactivation
@@ -56,6 +57,11 @@ class Hit:
     unit: Unit
     score: float
     channels: list[str] = field(default_factory=list)
+
+    def as_retrieved(self) -> RetrievedMemory:
+        """The hit as a strategy candidate (a turn's id is ``turn:<i>``, its type ``turn``)."""
+        u = self.unit
+        return RetrievedMemory(u.unit_id, u.kind, u.content, u.position, float(self.score), list(u.evidence), u.valid_from)
 
 
 class UserBundle:

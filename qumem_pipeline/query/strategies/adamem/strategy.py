@@ -26,7 +26,7 @@ from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import RESEARCH, call_tags
 from qumem_pipeline.query.strategies.adamem.participants import resolve
-from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, AdaMemRetriever, Hit
+from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, AdaMemRetriever
 from qumem_pipeline.query.strategies.adamem.route import plan_route
 from qumem_pipeline.query.strategies.base import (
     USER_STATE_SCHEMA, Progress, Query, QueryStrategy, RetrievedMemory, StateOutput, TokenCounts, answer_queries,
@@ -60,11 +60,6 @@ ADAMEM_PROMPT_VERSION = "adamem-v1-" + hashlib.sha256(json.dumps(
     [RESEARCH_SYSTEM, WORKING_SYSTEM, RESEARCH_SCHEMA, WORKING_SCHEMA], sort_keys=True).encode()).hexdigest()[:10]
 
 
-def _as_retrieved(h: Hit) -> RetrievedMemory:
-    u = h.unit
-    return RetrievedMemory(u.unit_id, u.kind, u.content, u.position, float(h.score), list(u.evidence), u.valid_from)
-
-
 def _merge(a: list[RetrievedMemory], b: list[RetrievedMemory]) -> list[RetrievedMemory]:
     best: dict[str, RetrievedMemory] = {}
     for c in [*a, *b]:
@@ -92,7 +87,7 @@ def infer_adamem_states(
     searches: list[list[dict]] = [[{"query": q.query, "route": plans[i].as_dict()}] for i, q in enumerate(queries)]
     hits = retriever.retrieve_routed([(q.user_id, q.query, q.as_of_position, plans[i], targets[i])
                                       for i, q in enumerate(queries)], k)
-    candidates = [sorted((_as_retrieved(h) for h in hs), key=lambda c: (c.position, -c.score, c.memory_id)) for hs in hits]
+    candidates = [sorted((h.as_retrieved() for h in hs), key=lambda c: (c.position, -c.score, c.memory_id)) for hs in hits]
     step("retrieval 1")
 
     states: list[dict | None] = [None] * n
@@ -127,7 +122,7 @@ def infer_adamem_states(
         more = retriever.retrieve_routed([(queries[i].user_id, searches[i][-1]["query"], queries[i].as_of_position,
                                            plans[i], targets[i]) for i in follow], k)
         for i, hs in zip(follow, more):
-            candidates[i] = _merge(candidates[i], [_as_retrieved(h) for h in hs])
+            candidates[i] = _merge(candidates[i], [h.as_retrieved() for h in hs])
         step(f"retrieval {it + 1}")
         todo = follow
 
