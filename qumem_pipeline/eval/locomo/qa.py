@@ -21,7 +21,9 @@ LoCoMo's short-phrase QA prompt plus one line saying how to abstain), differing 
   (in-memory per-type FAISS store, as ``qumem_units``) -> A3 (Z_q) -> the answer step Psi, which is
   this module's answer prompt over the rendered Z_q;
 - ``adamem``: route plan -> hybrid retrieval over turns and memories -> research loop -> the answer
-  step over the final research notes (the same answer prompt; AdaMem's own working answer is not used).
+  step over the final research notes (the same answer prompt; AdaMem's own working answer is not used);
+- ``qumem_hybrid``: qumem's A1/A2 plans over the typed stores added to AdaMem's hybrid retrieval of the
+  question itself, qumem's A3 on the union, then the answer step as for ``qumem``.
 
 Memories come from ``--memories`` (a memories table) or ``--decompose`` (the pipeline's decomposition
 of every speaker's episodes, written per user to ``--memories-out``, default next to ``--out``; users
@@ -599,7 +601,7 @@ def strategy_version(strategy: str) -> str:
     """What besides the answer prompt decides a strategy's answers: for the state strategies the query
     stage's version (its code, model and embedder), so a changed strategy is answered again (the
     ledger still replays every identical call); the other contexts are built here, in the eval."""
-    if strategy in ("qumem", "adamem"):
+    if strategy in ("qumem", "adamem", "qumem_hybrid"):
         from qumem_pipeline.contracts.stage_versions import stage_version
 
         return stage_version("query_states")
