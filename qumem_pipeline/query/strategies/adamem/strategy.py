@@ -68,97 +68,126 @@ def _merge(a: list[RetrievedMemory], b: list[RetrievedMemory]) -> list[Retrieved
     return sorted(best.values(), key=lambda c: (c.position, -c.score, c.memory_id))
 
 
-def infer_adamem_states(
-    queries: Sequence[Query], llm: LLMBackend, retriever: AdaMemRetriever, *, k: int = DEFAULT_K,
-    created_at: datetime | None = None, progress: Progress | None = None,
-) -> StateOutput:
-    created_at = created_at or datetime.now(timezone.utc)
-    n = len(queries)
-    tokens = TokenCounts(n)
-    quarantine: list[dict] = []
+class _AdaMemRun:
+    """One stage-batched run over all queries: per query its route plan, searches, evidence, notes."""
 
-    def step(name):
-        if progress:
-            progress(name, n, n)
+    def __init__(self, queries: Sequence[Query], llm: LLMBackend, retriever: AdaMemRetriever, k: int,
+                 created_at: datetime, progress: Progress | None):
+        self.queries, self.llm, self.retriever, self.k, self.created_at = queries, llm, retriever, k, created_at
+        self.progress = progress
+        n = self.n = len(queries)
+        self.tokens = TokenCounts(n)
+        self.quarantine: list[dict] = []
+        self.targets = [resolve(q.query, retriever.bundles[q.user_id].participants) if q.user_id in retriever.bundles
+                        else None for q in queries]
+        self.plans = [plan_route(q.query) for q in queries]
+        self.searches: list[list[dict]] = [[{"query": q.query, "route": self.plans[i].as_dict()}]
+                                           for i, q in enumerate(queries)]
+        self.candidates: list[list[RetrievedMemory]] = [[] for _ in range(n)]
+        self.states: list[dict | None] = [None] * n
 
-    targets = [resolve(q.query, retriever.bundles[q.user_id].participants) if q.user_id in retriever.bundles else None
-               for q in queries]
-    plans = [plan_route(q.query) for q in queries]
-    searches: list[list[dict]] = [[{"query": q.query, "route": plans[i].as_dict()}] for i, q in enumerate(queries)]
-    hits = retriever.retrieve_routed([(q.user_id, q.query, q.as_of_position, plans[i], targets[i])
-                                      for i, q in enumerate(queries)], k)
-    candidates = [sorted((h.as_retrieved() for h in hs), key=lambda c: (c.position, -c.score, c.memory_id)) for hs in hits]
-    step("retrieval 1")
+    def step(self, name: str) -> None:
+        if self.progress:
+            self.progress(name, self.n, self.n)
 
-    states: list[dict | None] = [None] * n
-    todo = list(range(n))
-    for it in range(1, MAX_ITERATIONS + 1):
-        # defence in depth: the retriever masks future units already
-        check_no_future(queries, candidates, "evidence", rows=todo)
-        rs = generate_with_retry(llm, [
-            ChatRequest(f"{queries[i].query_id}/research{it}",
+    def retrieve(self, rows: list[int], first: bool) -> None:
+        """One retrieval round for `rows` (their latest search), merged into their evidence."""
+        q = self.queries
+        hits = self.retriever.retrieve_routed([(q[i].user_id, self.searches[i][-1]["query"], q[i].as_of_position,
+                                                self.plans[i], self.targets[i]) for i in rows], self.k)
+        for i, hs in zip(rows, hits):
+            found = [h.as_retrieved() for h in hs]
+            self.candidates[i] = (sorted(found, key=lambda c: (c.position, -c.score, c.memory_id)) if first
+                                  else _merge(self.candidates[i], found))
+
+    def research(self, it: int, todo: list[int]) -> list[int]:
+        """One research batch over `todo`; returns the queries that asked for a follow-up search."""
+        q = self.queries
+        check_no_future(q, self.candidates, "evidence", rows=todo)  # defence in depth: the retriever masks already
+        rs = generate_with_retry(self.llm, [
+            ChatRequest(f"{q[i].query_id}/research{it}",
                         [{"role": "system", "content": RESEARCH_SYSTEM},
-                         {"role": "user", "content": user_message(queries[i], render_candidates(candidates[i])
+                         {"role": "user", "content": user_message(q[i], render_candidates(self.candidates[i])
                                                                   + "\n\nReturn the research notes as JSON.")}],
                         RESEARCH_SCHEMA, RESEARCH_MAX_TOKENS, "research",
-                        metadata=call_tags(queries[i].user_id, RESEARCH, queries[i].query_id))
+                        metadata=call_tags(q[i].user_id, RESEARCH, q[i].query_id))
             for i in todo
         ])
         follow: list[int] = []
         for i, r in zip(todo, rs):
-            tokens.account(i, r)
+            self.tokens.account(i, r)
             if not r.ok:
-                if states[i] is None:  # a failed second round keeps the first round's notes
-                    quarantine.append(quarantine_row(queries[i], f"research{it}", r, ADAMEM_PROMPT_VERSION, created_at))
+                if self.states[i] is None:  # a failed second round keeps the first round's notes
+                    self.quarantine.append(quarantine_row(q[i], f"research{it}", r, ADAMEM_PROMPT_VERSION, self.created_at))
                 continue
-            states[i] = r.parsed
+            self.states[i] = r.parsed
             fu = (r.parsed.get("follow_up") or "").strip()
             if it < MAX_ITERATIONS and not r.parsed.get("sufficient", True) and fu:
                 follow.append(i)
-                searches[i].append({"query": fu, "route": plans[i].as_dict()})
-        step(f"research {it}")
+                self.searches[i].append({"query": fu, "route": self.plans[i].as_dict()})
+        return follow
+
+    def answer(self, resolved: list) -> list[str | None]:
+        """The working agent's answer (one batch) for every query with usable notes."""
+        responses: list[str | None] = [None] * self.n
+        answerable = [i for i in range(self.n) if resolved[i] is not None]
+        answers = answer_queries(self.llm, self.queries, answerable, lambda i: "Research notes: " + json.dumps(resolved[i][0]),
+                                 system=WORKING_SYSTEM, schema=WORKING_SCHEMA, max_tokens=WORKING_MAX_TOKENS,
+                                 request_suffix="working", kind="working_answer", account=self.tokens.account)
+        for i, a in answers.items():
+            responses[i] = a
+        return responses
+
+    def output(self, resolved: list, responses: list[str | None]) -> StateOutput:
+        by_id = candidate_index(self.candidates)
+        rows = []
+        for i, q in enumerate(self.queries):
+            if resolved[i] is None:
+                continue
+            state, cited, dropped = resolved[i]
+            rows.append({
+                "query_id": q.query_id, "user_id": q.user_id, "query": q.query, "as_of_position": q.as_of_position,
+                "strategy": "adamem", "needs": json.dumps({"target": self.targets[i], "cues": list(self.plans[i].cues)}),
+                "plan": json.dumps(self.searches[i]), "plan_repaired": None,
+                "candidates": candidate_structs(self.candidates[i]),
+                "state": json.dumps(state), "cited_memory_ids": cited, "cited_turn_ids": cited_turns(cited, by_id),
+                "dropped_citations": dropped, "response": responses[i], "model": self.llm.model_name,
+                "prompt_version": ADAMEM_PROMPT_VERSION, "code_version": stage_version("query_states"),
+                "prompt_tokens": self.tokens.per_query[i][0], "completion_tokens": self.tokens.per_query[i][1],
+                "created_at": self.created_at,
+            })
+        states_df, q_df = output_frames(rows, self.quarantine)
+        n = self.n
+        stats = {"queries": n, "states": states_df.height, "quarantined": q_df.height,
+                 "research_iterations_2": sum(1 for s in self.searches if len(s) > 1),
+                 "dropped_citations": sum(r[2] for r in resolved if r),
+                 "mean_candidates": (sum(map(len, self.candidates)) / n) if n else 0.0, **self.tokens.totals()}
+        return StateOutput(states=states_df, quarantine=q_df, stats=stats)
+
+
+def infer_adamem_states(
+    queries: Sequence[Query], llm: LLMBackend, retriever: AdaMemRetriever, *, k: int = DEFAULT_K,
+    created_at: datetime | None = None, progress: Progress | None = None,
+) -> StateOutput:
+    """Route plan -> retrieval -> research (<= MAX_ITERATIONS rounds, follow-ups retrieved between) ->
+    working answer; each LLM stage one batch, each retrieval round one call, over all queries."""
+    run = _AdaMemRun(queries, llm, retriever, k, created_at or datetime.now(timezone.utc), progress)
+    run.retrieve(list(range(run.n)), first=True)
+    run.step("retrieval 1")
+    todo = list(range(run.n))
+    for it in range(1, MAX_ITERATIONS + 1):
+        follow = run.research(it, todo)
+        run.step(f"research {it}")
         if not follow:
             break
-        more = retriever.retrieve_routed([(queries[i].user_id, searches[i][-1]["query"], queries[i].as_of_position,
-                                           plans[i], targets[i]) for i in follow], k)
-        for i, hs in zip(follow, more):
-            candidates[i] = _merge(candidates[i], [h.as_retrieved() for h in hs])
-        step(f"retrieval {it + 1}")
+        run.retrieve(follow, first=False)
+        run.step(f"retrieval {it + 1}")
         todo = follow
-
-    resolved: list[tuple[dict, list[str], int] | None] = [
-        resolve_citations(states[i], candidates[i]) if states[i] is not None else None for i in range(n)]
-    answerable = [i for i in range(n) if resolved[i] is not None]
-    responses: list[str | None] = [None] * n
-    answers = answer_queries(llm, queries, answerable, lambda i: "Research notes: " + json.dumps(resolved[i][0]),
-                             system=WORKING_SYSTEM, schema=WORKING_SCHEMA, max_tokens=WORKING_MAX_TOKENS,
-                             request_suffix="working", kind="working_answer", account=tokens.account)
-    for i, a in answers.items():
-        responses[i] = a
-    step("working answer")
-
-    by_id = candidate_index(candidates)
-    rows = []
-    for i, q in enumerate(queries):
-        if resolved[i] is None:
-            continue
-        state, cited, dropped = resolved[i]
-        rows.append({
-            "query_id": q.query_id, "user_id": q.user_id, "query": q.query, "as_of_position": q.as_of_position,
-            "strategy": "adamem", "needs": json.dumps({"target": targets[i], "cues": list(plans[i].cues)}),
-            "plan": json.dumps(searches[i]), "plan_repaired": None,
-            "candidates": candidate_structs(candidates[i]),
-            "state": json.dumps(state), "cited_memory_ids": cited, "cited_turn_ids": cited_turns(cited, by_id),
-            "dropped_citations": dropped, "response": responses[i], "model": llm.model_name,
-            "prompt_version": ADAMEM_PROMPT_VERSION, "code_version": stage_version("query_states"),
-            "prompt_tokens": tokens.per_query[i][0], "completion_tokens": tokens.per_query[i][1], "created_at": created_at,
-        })
-    states_df, q_df = output_frames(rows, quarantine)
-    stats = {"queries": n, "states": states_df.height, "quarantined": q_df.height,
-             "research_iterations_2": sum(1 for s in searches if len(s) > 1),
-             "dropped_citations": sum(r[2] for r in resolved if r), "mean_candidates": (sum(map(len, candidates)) / n) if n else 0.0,
-             **tokens.totals()}
-    return StateOutput(states=states_df, quarantine=q_df, stats=stats)
+    resolved = [resolve_citations(run.states[i], run.candidates[i]) if run.states[i] is not None else None
+                for i in range(run.n)]
+    responses = run.answer(resolved)
+    run.step("working answer")
+    return run.output(resolved, responses)
 
 
 class AdaMemStrategy(QueryStrategy):
