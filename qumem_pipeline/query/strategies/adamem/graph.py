@@ -56,90 +56,112 @@ def episode_topics(episodes: pl.DataFrame, turn_text: dict[int, str]) -> dict[st
     return out
 
 
-def build_memory_graph(user_id: str, turns: pl.DataFrame, episodes: pl.DataFrame, memories: pl.DataFrame,
-                       profiles: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(nodes, edges) for one user. Raises ValueError naming the row when an input references nothing."""
-    nodes: dict[str, dict] = {}
-    edges: set[tuple[str, str, str]] = set()
-    linked: dict[str, list[int]] = defaultdict(list)  # topic/entity node -> positions of linked items
+class _GraphBuilder:
+    """Nodes and edges of one user's graph, added table by table (turns first: the others link to them)."""
 
-    def node(nid, ntype, ref, text, position, owner=None):
-        nodes[nid] = {"user_id": user_id, "node_id": nid, "node_type": ntype, "ref": str(ref), "text": text,
-                      "position": position, "owner": owner}
+    def __init__(self, user_id: str):
+        self.user_id = user_id
+        self.nodes: dict[str, dict] = {}
+        self.edges: set[tuple[str, str, str]] = set()
+        self.linked: dict[str, list[int]] = defaultdict(list)  # topic/entity node -> positions of linked items
+        self.turn_text: dict[int, str] = {}
+        self.ep_topics: dict[str, list[str]] = {}
 
-    def hub(kind: str, key: str, src: str, etype: str, position: int) -> None:
+    def node(self, nid, ntype, ref, text, position, owner=None) -> None:
+        self.nodes[nid] = {"user_id": self.user_id, "node_id": nid, "node_type": ntype, "ref": str(ref), "text": text,
+                           "position": position, "owner": owner}
+
+    def hub(self, kind: str, key: str, src: str, etype: str, position: int) -> None:
         nid = f"{kind}:{key}"
-        if nid not in nodes:
-            node(nid, kind, key, key, None)
-        linked[nid].append(position)
-        edges.add((src, nid, etype))
+        if nid not in self.nodes:
+            self.node(nid, kind, key, key, None)
+        self.linked[nid].append(position)
+        self.edges.add((src, nid, etype))
 
-    turn_text = dict(zip(turns["turn_index"].to_list(), turns["text"].to_list()))
-    for ti, role, text in zip(turns["turn_index"].to_list(), turns["role"].to_list(), turns["text"].to_list()):
-        node(turn_node(ti), "turn", ti, text, ti, turn_owner(role))
-        for e in entities(text):
-            hub("entity", e, turn_node(ti), "mentions-entity", ti)
+    def add_turns(self, turns: pl.DataFrame) -> None:
+        self.turn_text = dict(zip(turns["turn_index"].to_list(), turns["text"].to_list()))
+        for ti, role, text in zip(turns["turn_index"].to_list(), turns["role"].to_list(), turns["text"].to_list()):
+            self.node(turn_node(ti), "turn", ti, text, ti, turn_owner(role))
+            for e in entities(text):
+                self.hub("entity", e, turn_node(ti), "mentions-entity", ti)
 
-    topics = episode_topics(episodes, turn_text) if episodes.height else {}
-    ordered = episodes.sort("episode_index")
-    prev = None
-    for eid, tids, last in zip(ordered["episode_id"].to_list(), ordered["turn_ids"].to_list(), ordered["last_turn_index"].to_list()):
-        en = f"episode:{eid}"
-        node(en, "episode", eid, " ".join(topics.get(eid, [])), last)
-        if prev:
-            edges.add((prev, en, "next-episode"))
-        prev = en
-        for t in tids:
-            if turn_node(t) not in nodes:
-                raise ValueError(f"episodes row {eid!r}: turn {t} is not in the turns table")
-            edges.add((turn_node(t), en, "in-episode"))
-            words = set(tokens(turn_text[t]))
+    def add_episodes(self, episodes: pl.DataFrame) -> None:
+        topics = episode_topics(episodes, self.turn_text) if episodes.height else {}
+        self.ep_topics = {f"episode:{e}": ws for e, ws in topics.items()}
+        ordered = episodes.sort("episode_index")
+        prev = None
+        for eid, tids, last in zip(ordered["episode_id"].to_list(), ordered["turn_ids"].to_list(),
+                                   ordered["last_turn_index"].to_list()):
+            en = f"episode:{eid}"
+            self.node(en, "episode", eid, " ".join(topics.get(eid, [])), last)
+            if prev:
+                self.edges.add((prev, en, "next-episode"))
+            prev = en
+            for t in tids:
+                if turn_node(t) not in self.nodes:
+                    raise ValueError(f"episodes row {eid!r}: turn {t} is not in the turns table")
+                self.edges.add((turn_node(t), en, "in-episode"))
+                words = set(tokens(self.turn_text[t]))
+                for w in topics.get(eid, []):
+                    if w in words:
+                        self.hub("topic", w, turn_node(t), "same-topic", t)
             for w in topics.get(eid, []):
+                self.hub("topic", w, en, "same-topic", last)
+
+    def add_memories(self, memories: pl.DataFrame) -> None:
+        for row in memories.iter_rows(named=True):
+            mn = memory_node(row["memory_id"])
+            ev = list(row["evidence_turn_ids"] or [])
+            roles = Counter(self.nodes[turn_node(t)]["owner"] for t in ev if turn_node(t) in self.nodes)
+            owner = USER if roles.get(USER, 0) >= roles.get(OTHER, 0) else OTHER
+            self.node(mn, "memory", row["memory_id"], row["content"], row["position"], owner)
+            for t in ev:
+                if turn_node(t) not in self.nodes:
+                    raise ValueError(f"memories row {row['memory_id']!r}: evidence turn {t} is not in the turns table")
+                self.edges.add((mn, turn_node(t), "supports"))
+            en = f"episode:{row['episode_id']}"
+            if en in self.nodes:
+                self.edges.add((mn, en, "in-episode"))
+            words = set(tokens(row["content"]))
+            for w in self.ep_topics.get(en, []):
                 if w in words:
-                    hub("topic", w, turn_node(t), "same-topic", t)
-        for w in topics.get(eid, []):
-            hub("topic", w, en, "same-topic", last)
+                    self.hub("topic", w, mn, "same-topic", row["position"])
+            for e in entities(row["content"]):
+                self.hub("entity", e, mn, "mentions-entity", row["position"])
 
-    ep_topics = {f"episode:{e}": ws for e, ws in topics.items()}
-    for row in memories.iter_rows(named=True):
-        mn = memory_node(row["memory_id"])
-        ev = list(row["evidence_turn_ids"] or [])
-        roles = Counter(nodes[turn_node(t)]["owner"] for t in ev if turn_node(t) in nodes)
-        owner = USER if roles.get(USER, 0) >= roles.get(OTHER, 0) else OTHER
-        node(mn, "memory", row["memory_id"], row["content"], row["position"], owner)
-        for t in ev:
-            if turn_node(t) not in nodes:
-                raise ValueError(f"memories row {row['memory_id']!r}: evidence turn {t} is not in the turns table")
-            edges.add((mn, turn_node(t), "supports"))
-        en = f"episode:{row['episode_id']}"
-        if en in nodes:
-            edges.add((mn, en, "in-episode"))
-        words = set(tokens(row["content"]))
-        for w in ep_topics.get(en, []):
-            if w in words:
-                hub("topic", w, mn, "same-topic", row["position"])
-        for e in entities(row["content"]):
-            hub("entity", e, mn, "mentions-entity", row["position"])
-
-    if profiles is not None:
+    def add_profiles(self, profiles: pl.DataFrame) -> None:
         for row in profiles.iter_rows(named=True):
             cited = [memory_node(m) for m in row["memory_ids"] or []]
-            missing = [c for c in cited if c not in nodes]
+            missing = [c for c in cited if c not in self.nodes]
             if missing:
                 raise ValueError(f"persona_profiles row {row['profile_id']!r}: cites unknown memories {missing[:3]}")
             pn = f"profile:{row['profile_id']}"
-            node(pn, "profile", row["profile_id"], f"{row['aspect']}: {row['summary']}",
-                 max((nodes[c]["position"] for c in cited), default=None), USER)
+            self.node(pn, "profile", row["profile_id"], f"{row['aspect']}: {row['summary']}",
+                      max((self.nodes[c]["position"] for c in cited), default=None), USER)
             for c in cited:
-                edges.add((pn, c, "summarises"))
+                self.edges.add((pn, c, "summarises"))
 
-    for nid, pos in linked.items():
-        nodes[nid]["position"] = min(pos)
-    node_df = pl.DataFrame(list(nodes.values()), schema=NODE_SCHEMA).sort("node_id")
-    edge_df = pl.DataFrame([{"user_id": user_id, "src": s, "dst": d, "edge_type": t} for s, d, t in sorted(edges)],
-                           schema=EDGE_SCHEMA)
-    version = pl.lit(stage_version("memory_graph"), pl.String)  # which code built the graph, on every row
-    return node_df.with_columns(code_version=version), edge_df.with_columns(code_version=version)
+    def frames(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """A hub's position is the earliest item linked to it: it is not reachable before that."""
+        for nid, pos in self.linked.items():
+            self.nodes[nid]["position"] = min(pos)
+        node_df = pl.DataFrame(list(self.nodes.values()), schema=NODE_SCHEMA).sort("node_id")
+        edge_df = pl.DataFrame([{"user_id": self.user_id, "src": s, "dst": d, "edge_type": t}
+                                for s, d, t in sorted(self.edges)], schema=EDGE_SCHEMA)
+        version = pl.lit(stage_version("memory_graph"), pl.String)  # which code built the graph, on every row
+        return node_df.with_columns(code_version=version), edge_df.with_columns(code_version=version)
+
+
+def build_memory_graph(user_id: str, turns: pl.DataFrame, episodes: pl.DataFrame, memories: pl.DataFrame,
+                       profiles: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(nodes, edges) for one user. Raises ValueError naming the row when an input references nothing."""
+    g = _GraphBuilder(user_id)
+    g.add_turns(turns)
+    g.add_episodes(episodes)
+    g.add_memories(memories)
+    if profiles is not None:
+        g.add_profiles(profiles)
+    return g.frames()
 
 
 def dangling_edges(nodes: pl.DataFrame, edges: pl.DataFrame) -> pl.DataFrame:
