@@ -111,6 +111,44 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _replay_workspace(record, path: str, replay_model: str | None):
+    """A replay's model identity (from the record's runs) and a scratch folder for what the run writes."""
+    import tempfile
+
+    from qumem_pipeline.eval.record import identity_from_runs
+
+    if record is None:
+        raise ValueError("--replay-only needs a record")
+    return identity_from_runs(record, path, replay_model), tempfile.TemporaryDirectory(prefix="qumem-replay-")
+
+
+def _report_calls(report: dict, sources, record, replay_only: bool, path: str, argv, log) -> None:
+    """Where the run's model calls came from: the record (replayed, missing, or appended with the run's
+    manifest) and the ledger (sent, replayed)."""
+    from qumem_pipeline.eval.record import RecordBackend
+
+    used = sources.backend.built() if sources.backend else None
+    if isinstance(used, RecordBackend):
+        if replay_only:
+            report["replay"] = {"record": str(record.root), "calls_replayed": used.hits,
+                                "missing": used.missing_summary(),
+                                "missing_calls": [{"key": k, **m} for k, m in sorted(used.missing.items())]}
+        else:
+            from qumem_pipeline.eval.record import file_sha256
+
+            ident = used.identity
+            manifest = record.add_run({"kind": "locomo_recall", "dataset": os.path.basename(str(path)),
+                                       "dataset_sha256": file_sha256(path), "model_name": ident["model_name"],
+                                       "model": ident["model"], "decoding": ident["decoding"],
+                                       "argv": list(argv or [])})
+            report["record"] = {"root": str(record.root), "hits": used.hits, "appended": used.appended,
+                                "manifest": manifest.name}
+        used = used.inner
+    if isinstance(used, LedgerBackend):
+        report["llm_ledger"] = {"path": str(used.log.path), "sent": used.sent, "replayed": used.replayed}
+        log(f"[locomo] LLM calls: {used.sent} sent, {used.replayed} replayed from {used.log.path}")
+
+
 def run_eval(
     path: str,
     *,
@@ -148,19 +186,10 @@ def run_eval(
     added, and the run's ``argv`` is kept as a manifest; ``replay_only``: no model, no ledger, no
     checkpoint of an earlier run - the calls the record lacks are in ``report['replay']['missing']``."""
     from qumem_pipeline.index.embeddings import Embedder
-    from qumem_pipeline.eval.record import RecordBackend, identity_from_runs
 
-    replay_identity = None
-    work = None
-    if replay_only:
-        import tempfile
-
-        if record is None:
-            raise ValueError("--replay-only needs a record")
-        replay_identity = identity_from_runs(record, path, replay_model)
-        work = tempfile.TemporaryDirectory(prefix="qumem-replay-")
+    replay_identity, work = _replay_workspace(record, path, replay_model) if replay_only else (None, None)
+    if work is not None:
         memories_out, ledger = work.name, None  # the decomposition's checkpoints too: nothing earlier is read
-
     log = log or _stderr
     t0 = time.perf_counter()
     budgets = tuple(sorted(budgets))
@@ -200,27 +229,8 @@ def run_eval(
     report["memory_keys"] = {"source_weight": memory_source_weight,
                              "rule": "memories ranked by normalize(text + w * normalize(mean of source turns))"
                              if memory_source_weight else "memories ranked by their text alone"}
-    used = sources.backend.built() if sources.backend else None
-    if isinstance(used, RecordBackend):
-        if replay_only:
-            report["replay"] = {"record": str(record.root), "calls_replayed": used.hits,
-                                "missing": used.missing_summary(),
-                                "missing_calls": [{"key": k, **m} for k, m in sorted(used.missing.items())]}
-        else:
-            from qumem_pipeline.eval.record import file_sha256
-
-            ident = used.identity
-            manifest = record.add_run({"kind": "locomo_recall", "dataset": os.path.basename(str(path)),
-                                       "dataset_sha256": file_sha256(path), "model_name": ident["model_name"],
-                                       "model": ident["model"], "decoding": ident["decoding"],
-                                       "argv": list(argv or [])})
-            report["record"] = {"root": str(record.root), "hits": used.hits, "appended": used.appended,
-                                "manifest": manifest.name}
-        used = used.inner
+    _report_calls(report, sources, record, replay_only, path, argv, log)
     if work is not None:
         work.cleanup()
-    if isinstance(used, LedgerBackend):
-        report["llm_ledger"] = {"path": str(used.log.path), "sent": used.sent, "replayed": used.replayed}
-        log(f"[locomo] LLM calls: {used.sent} sent, {used.replayed} replayed from {used.log.path}")
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     return report
