@@ -612,7 +612,7 @@ def strategy_version(strategy: str) -> str:
     return "context-built-by-the-eval"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="qumem eval locomo PATH --qa", description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="a LoCoMo-format JSON file")
     ap.add_argument("--out", default=None, help="JSON report path; checkpoint, ledger and HTML go next to it "
@@ -647,22 +647,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "the calls it lacks. With no selection flag: replays what the record's runs cover, and says which")
     ap.add_argument("--replay-model", default=None, help="with --replay-only: the recorded model (name@dtype) when the "
                     "record has several")
-    raw = list(argv) if argv is not None else sys.argv[1:]
-    args = ap.parse_args(raw)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from qumem_pipeline.eval.record import EvalRecord, default_root, format_missing
+    return ap
 
-    root = default_root() if args.record is None else (None if args.record.lower() == "off" else Path(args.record))
-    record = EvalRecord(root) if root is not None else None
-    opts = dict(strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+
+def _comma_list(value: str | None) -> list[str] | None:
+    return [x.strip() for x in value.split(",") if x.strip()] if value else None
+
+
+def _run_options(args, raw: list[str], record) -> tuple[dict, bool]:
+    """run_qa's selection from the command line, and whether it is a cover replay (--replay-only with no
+    selection flag: everything the record's runs cover)."""
+    opts = dict(strategies=_comma_list(args.strategies) or [],
                 sample_per_category=args.sample_per_category, seed=args.seed, words=args.words,
                 context_tokens=args.context_tokens, chunk=args.chunk, memories=args.memories, decompose=args.decompose,
                 memories_out=args.memories_out, llm_kind=args.llm_kind, llm_max_tokens=args.llm_max_tokens,
-                conversations=[c.strip() for c in args.conversations.split(",") if c.strip()] if args.conversations else None,
-                max_sessions=args.max_sessions, limit_conversations=args.limit_conversations,
-                episodes_version=args.episodes_version,
-                question_keys=[k.strip() for k in args.questions.split(",") if k.strip()] if args.questions else None)
+                conversations=_comma_list(args.conversations), max_sessions=args.max_sessions,
+                limit_conversations=args.limit_conversations, episodes_version=args.episodes_version,
+                question_keys=_comma_list(args.questions))
     cover = args.replay_only and not any(a.startswith("--") and a.split("=", 1)[0] not in COVER_NEUTRAL for a in raw)
     if cover:  # replay everything the record covers
         got = cover_options(record, args.path)
@@ -674,6 +675,40 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "largest. Give its flags to replay another.", file=sys.stderr)
     elif args.replay_model:
         opts["replay_model"] = args.replay_model
+    return opts, cover
+
+
+def _replay_verdict(report: dict, record, cover: bool) -> int:
+    """What a replay covered and lacked, on stderr; 1 when it lacked calls (or covered nothing)."""
+    from qumem_pipeline.eval.record import format_missing
+
+    rp = report.get("replay")
+    if rp is None:
+        return 0
+    print(f"[qa] replayed {rp['calls_replayed']} calls from {rp['record']}: conversations {rp['conversations']}, "
+          f"{rp['n_questions']} questions ({report['n_scored']} scored, categories 1-4): {rp['questions']}",
+          file=sys.stderr)
+    if cover and rp["left_out"] and (rp["left_out"]["questions"] or rp["left_out"]["conversations"]):
+        print(f"[qa] left out, not fully in the record: {json.dumps(rp['left_out'])}", file=sys.stderr)
+    if not cover and rp["missing"]["calls"]:
+        print(format_missing(_MissingView(rp, record)), file=sys.stderr)
+        return 1
+    if cover and not rp["n_questions"]:
+        print("[qa] the record covers no question of this file in full", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(argv) if argv is not None else sys.argv[1:]
+    args = _parser().parse_args(raw)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from qumem_pipeline.eval.record import EvalRecord, default_root
+
+    root = default_root() if args.record is None else (None if args.record.lower() == "off" else Path(args.record))
+    record = EvalRecord(root) if root is not None else None
+    opts, cover = _run_options(args, raw, record)
     out = args.out or (None if args.replay_only else str(Path(".artifacts") / "locomo_qa" / f"{Path(args.path).stem}.qa.json"))
     report = run_qa(
         args.path, out=out, **opts, record=record, replay_only=args.replay_only, cover=cover,
@@ -681,20 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         retrieval_report=json.loads(Path(args.retrieval_json).read_text()) if args.retrieval_json else None,
     )
     print(format_table(report))
-    rc = 0
-    rp = report.get("replay")
-    if rp is not None:
-        print(f"[qa] replayed {rp['calls_replayed']} calls from {rp['record']}: conversations {rp['conversations']}, "
-              f"{rp['n_questions']} questions ({report['n_scored']} scored, categories 1-4): {rp['questions']}",
-              file=sys.stderr)
-        if cover and rp["left_out"] and (rp["left_out"]["questions"] or rp["left_out"]["conversations"]):
-            print(f"[qa] left out, not fully in the record: {json.dumps(rp['left_out'])}", file=sys.stderr)
-        if not cover and rp["missing"]["calls"]:
-            print(format_missing(_MissingView(rp, record)), file=sys.stderr)
-            rc = 1
-        if cover and not rp["n_questions"]:
-            print("[qa] the record covers no question of this file in full", file=sys.stderr)
-            rc = 1
+    rc = _replay_verdict(report, record, cover)
     if args.json:
         print(json.dumps(report, default=str))
     return rc
