@@ -17,9 +17,12 @@ SCRIPT = {"model": "fake-model", "rules": [
 ]}
 
 
-def test_query_states_asset_runs_adamem_strategy(tmp_path):
+def _materialize(tmp_path, queries: list[dict], script: dict, strategy: str, typed_indexes: bool = False):
+    """query_states (and what it reads) for the shared two-participant history, through Dagster, with the
+    fake OpenAI-compatible server answering `script`: (result, layout, requests the server got)."""
     from assets.adamem import memory_graph
     from assets.query_states import query_states
+    from assets.retrieval import memory_embeddings, memory_indexes
     from qumem_pipeline.storage.layout import DataLayout
     from resources import PipelineConfig
     from resources.models import EmbedderResource, LLMResource
@@ -29,23 +32,28 @@ def test_query_states_asset_runs_adamem_strategy(tmp_path):
     layout.write_user_table("turns", data.USER, data.turns())
     layout.write_user_table("episodes", data.USER, data.episodes())
     layout.write_user_table("memories", data.USER, data.memories())
-    queries = write_jsonl(tmp_path / "q.jsonl", [
-        {"query_id": "q-early", "user_id": data.USER, "query": "When did Caroline go to the adoption meeting?", "as_of_turn": 2},
-        {"query_id": "q-late", "user_id": data.USER, "query": "What did Melanie paint?", "as_of_turn": 11},
-    ])
+    path = write_jsonl(tmp_path / "q.jsonl", queries)
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("users", [data.USER])
-    with RunningFakeServer(SCRIPT, tmp_path / "srv") as srv:
+    assets = [memory_embeddings, memory_indexes] if typed_indexes else []
+    with RunningFakeServer(script, tmp_path / "srv") as srv:
         res = dg.materialize(
-            [memory_graph, query_states], instance=instance, partition_key=data.USER,
+            [*assets, memory_graph, query_states], instance=instance, partition_key=data.USER,
             resources={
-                "pipeline": PipelineConfig(data_root=str(root), archive_path=str(tmp_path), queries_path=str(queries),
-                                           query_strategy="adamem"),
+                "pipeline": PipelineConfig(data_root=str(root), archive_path=str(tmp_path), queries_path=str(path),
+                                           query_strategy=strategy),
                 "llm": LLMResource(kind="openai", base_url=srv.base_url, model="fake-model"),
                 "embedder": EmbedderResource(device="cpu"),
             },
         )
-        sent = srv.requests()
+        return res, layout, srv.requests()
+
+
+def test_query_states_asset_runs_adamem_strategy(tmp_path):
+    res, layout, sent = _materialize(tmp_path, [
+        {"query_id": "q-early", "user_id": data.USER, "query": "When did Caroline go to the adoption meeting?", "as_of_turn": 2},
+        {"query_id": "q-late", "user_id": data.USER, "query": "What did Melanie paint?", "as_of_turn": 11},
+    ], SCRIPT, "adamem")
     assert res.success
     checks = {e.asset_check_key.name: e.passed for e in res.get_asset_check_evaluations()}
     assert checks == {"edge_endpoints_exist": True, "no_citation_after_as_of": True, "evidence_turns_exist": True}
@@ -73,34 +81,10 @@ HYBRID_SCRIPT = {"model": "fake-model", "rules": [
 
 def test_query_states_asset_runs_qumem_hybrid_strategy(tmp_path):
     """qumem_hybrid needs both retrievers: the typed FAISS indexes and AdaMem's bundles (graph included)."""
-    from assets.adamem import memory_graph
-    from assets.query_states import query_states
-    from assets.retrieval import memory_embeddings, memory_indexes
-    from qumem_pipeline.storage.layout import DataLayout
-    from resources import PipelineConfig
-    from resources.models import EmbedderResource, LLMResource
-
-    root = tmp_path / "data"
-    layout = DataLayout(root)
-    layout.write_user_table("turns", data.USER, data.turns())
-    layout.write_user_table("episodes", data.USER, data.episodes())
-    layout.write_user_table("memories", data.USER, data.memories())
-    queries = write_jsonl(tmp_path / "q.jsonl", [
+    res, layout, _ = _materialize(tmp_path, [
         {"query_id": "q-dog", "user_id": data.USER, "query": "How is Snorlaxia?", "as_of_turn": 11},
         {"query_id": "q-early", "user_id": data.USER, "query": "How is Snorlaxia?", "as_of_turn": 5},
-    ])
-    instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("users", [data.USER])
-    with RunningFakeServer(HYBRID_SCRIPT, tmp_path / "srv") as srv:
-        res = dg.materialize(
-            [memory_embeddings, memory_indexes, memory_graph, query_states], instance=instance, partition_key=data.USER,
-            resources={
-                "pipeline": PipelineConfig(data_root=str(root), archive_path=str(tmp_path), queries_path=str(queries),
-                                           query_strategy="qumem_hybrid"),
-                "llm": LLMResource(kind="openai", base_url=srv.base_url, model="fake-model"),
-                "embedder": EmbedderResource(device="cpu"),
-            },
-        )
+    ], HYBRID_SCRIPT, "qumem_hybrid", typed_indexes=True)
     assert res.success
     checks = {e.asset_check_key.name: e.passed for e in res.get_asset_check_evaluations()}
     assert checks["no_citation_after_as_of"] and checks["evidence_turns_exist"]
