@@ -165,9 +165,9 @@ def test_the_evaluation_models_table_replays_from_the_record_with_no_model(monke
     assert rc == 0 and f"{table}: same" in out, out
     fig = json.loads((RECORD_ROOT / "tables" / f"{table}.json").read_text())["figures"]
     assert fig["model"] == "Qwen2.5-Coder-1.5B-Instruct@bfloat16" and fig["n_scored"] == 81
-    assert set(fig["qa"]) == {"none", "topk_turns", "topk_memories", "qumem"}
+    assert set(fig["qa"]) == {"none", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid"}
     assert fig["replayed"]["missing_calls"] == 0
-    for v in fig["f1_vs_topk_turns"].values():
+    for v in [*fig["f1_vs_topk_turns"].values(), *fig["f1_vs_qumem"].values()]:
         assert v["n"] == 81 and v["ci95"][0] <= v["delta"] <= v["ci95"][1]
 
 

@@ -28,7 +28,7 @@ from qumem_pipeline.eval.record import REPO_ROOT, EvalRecord, default_root
 # report fields that are figures (compared by `check`); everything else (paths, wall time, counters
 # of a run's own calls) may change without the table changing
 QA_FIELDS = ("dataset", "model", "strategies", "n_scored", "n_questions", "n_questions_adversarial",
-             "questions_by_category", "words_budget", "f1_vs_topk_turns", "skipped")
+             "questions_by_category", "words_budget", "f1_vs_topk_turns", "f1_vs_qumem", "skipped")
 QA_STRATEGY_FIELDS = ("f1", "bleu1", "n", "per_category", "adversarial", "no_answer", "state_failed",
                       "not_answered", "mean_context_words")
 RECALL_FIELDS = ("retrieval", "retrieval_by_scoring", "retrieval_with_adversarial", "per_category", "strategies",

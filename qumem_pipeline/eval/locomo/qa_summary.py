@@ -102,6 +102,8 @@ def build_report(selected: Sequence[QAQuestion], run: Sequence[str], done: dict,
                     "see qa_metrics); category 5: share of answers that abstain (LoCoMo's rule)"),
         "skipped": skipped,
         "f1_vs_topk_turns": paired_against(selected, run, done),
+        # the product's strategy against each other one: its changes (qumem_hybrid) and the top-k baselines
+        "f1_vs_qumem": paired_against(selected, run, done, baseline="qumem"),
     }
 
 
@@ -122,9 +124,11 @@ def format_table(report: dict) -> str:
                      + "".join(f"{f(pc.get(c, {}).get('f1')):>8}" for c in cats)
                      + f"{f(v['adversarial']['abstain']):>9}{v['n'] + v['adversarial']['n']:>5}"
                      + f"{(v['mean_context_words'] or 0):>10.0f}")
-    paired = report.get("f1_vs_topk_turns") or {}
-    if paired:
-        lines.append(f"F1 minus {PAIRED_BASELINE}'s on the same questions (95 % bootstrap interval, "
+    for baseline in (PAIRED_BASELINE, "qumem"):
+        paired = report.get(f"f1_vs_{baseline}") or {}
+        if not paired:
+            continue
+        lines.append(f"F1 minus {baseline}'s on the same questions (95 % bootstrap interval, "
                      f"{BOOTSTRAP_RESAMPLES} resamples, seed 0):")
         for s, v in paired.items():
             ci = v["ci95"]
