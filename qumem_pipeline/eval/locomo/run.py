@@ -111,6 +111,28 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _evaluate_all(convs, items_by_conv, kinds, sources, emb, budgets, min_cover_fraction, batch_size,
+                  memory_source_weight, log, t0: float) -> Tally:
+    """Every conversation's units and strategies scored; all questions embedded in one call first."""
+    questions = [it.question for c in convs for it in items_by_conv[c.sample_id]]
+    te = time.perf_counter()
+    q_all = emb.encode(questions, batch_size=batch_size)
+    log(f"[locomo] {len(questions)} questions embedded in {time.perf_counter() - te:.1f}s")
+    tally = Tally()
+    offset = 0
+    for conv in convs:
+        items = items_by_conv[conv.sample_id]
+        qv, offset = q_all[offset : offset + len(items)], offset + len(items)
+        if items:
+            _evaluate_one(conv, items, qv, kinds, sources, emb, tally, budgets, min_cover_fraction, batch_size,
+                          memory_source_weight)
+            log(f"[locomo] {conv.sample_id}: {len(items)} items, {len(kinds)} unit kinds ({time.perf_counter() - t0:.0f}s)")
+    return tally
+
+
+_KEY_RULE = "memories ranked by normalize(text + w * normalize(mean of source turns))"
+
+
 def _replay_workspace(record, path: str, replay_model: str | None):
     """A replay's model identity (from the record's runs) and a scratch folder for what the run writes."""
     import tempfile
@@ -205,30 +227,16 @@ def run_eval(
                              device=device, memories_out=memories_out, llm_max_tokens=llm_max_tokens, ledger=ledger,
                              log=log, record=record, replay_identity=replay_identity)
     emb = embedder or Embedder.load(device=device)
-    questions = [it.question for c in convs for it in items_by_conv[c.sample_id]]
-    te = time.perf_counter()
-    q_all = emb.encode(questions, batch_size=batch_size)
-    log(f"[locomo] {len(questions)} questions embedded in {time.perf_counter() - te:.1f}s")
     kinds = unit_builders(units, window_sizes, sources.episodes_by_user, sources.memories)
-    tally = Tally()
-    offset = 0
-    for conv in convs:
-        items = items_by_conv[conv.sample_id]
-        qv = q_all[offset : offset + len(items)]
-        offset += len(items)
-        if items:
-            _evaluate_one(conv, items, qv, kinds, sources, emb, tally, budgets, min_cover_fraction, batch_size,
-                          memory_source_weight)
-            log(f"[locomo] {conv.sample_id}: {len(items)} items, {len(kinds)} unit kinds done "
-                f"({time.perf_counter() - t0:.0f}s)")
+    tally = _evaluate_all(convs, items_by_conv, kinds, sources, emb, budgets, min_cover_fraction, batch_size,
+                          memory_source_weight, log, t0)
     settings = RunSettings(str(path), budgets, units, window_sizes, unit_scoring, strategies,
                            min_cover_fraction, speaker_prefix)
     report = build_report(tally, settings, convs, items_by_conv, sources, skipped, slice_info=data.slice_info,
                           load_info=data.load_info, embedding_model=emb.version,
                           max_seq=getattr(emb, "max_seq_length", None))
-    report["memory_keys"] = {"source_weight": memory_source_weight,
-                             "rule": "memories ranked by normalize(text + w * normalize(mean of source turns))"
-                             if memory_source_weight else "memories ranked by their text alone"}
+    report["memory_keys"] = {"source_weight": memory_source_weight, "rule": _KEY_RULE if memory_source_weight
+                             else "memories ranked by their text alone"}
     _report_calls(report, sources, record, replay_only, path, argv, log)
     if work is not None:
         work.cleanup()

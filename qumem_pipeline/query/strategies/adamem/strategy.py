@@ -27,6 +27,7 @@ from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import RESEARCH, call_tags
 from qumem_pipeline.query.strategies.adamem.participants import resolve
 from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, AdaMemRetriever
+from qumem_pipeline.query.strategies.user_state import merge_candidates
 from qumem_pipeline.query.strategies.adamem.route import plan_route
 from qumem_pipeline.query.strategies.base import (
     USER_STATE_SCHEMA, Progress, Query, QueryStrategy, RetrievedMemory, StateOutput, TokenCounts, answer_queries,
@@ -60,12 +61,8 @@ ADAMEM_PROMPT_VERSION = "adamem-v1-" + hashlib.sha256(json.dumps(
     [RESEARCH_SYSTEM, WORKING_SYSTEM, RESEARCH_SCHEMA, WORKING_SCHEMA], sort_keys=True).encode()).hexdigest()[:10]
 
 
-def _merge(a: list[RetrievedMemory], b: list[RetrievedMemory]) -> list[RetrievedMemory]:
-    best: dict[str, RetrievedMemory] = {}
-    for c in [*a, *b]:
-        if c.memory_id not in best or c.score > best[c.memory_id].score:
-            best[c.memory_id] = c
-    return sorted(best.values(), key=lambda c: (c.position, -c.score, c.memory_id))
+def _in_order(candidates) -> list[RetrievedMemory]:
+    return sorted(candidates, key=lambda c: (c.position, -c.score, c.memory_id))
 
 
 class _AdaMemRun:
@@ -97,8 +94,7 @@ class _AdaMemRun:
                                                 self.plans[i], self.targets[i]) for i in rows], self.k)
         for i, hs in zip(rows, hits):
             found = [h.as_retrieved() for h in hs]
-            self.candidates[i] = (sorted(found, key=lambda c: (c.position, -c.score, c.memory_id)) if first
-                                  else _merge(self.candidates[i], found))
+            self.candidates[i] = _in_order(found if first else merge_candidates(self.candidates[i], found))
 
     def research(self, it: int, todo: list[int]) -> list[int]:
         """One research batch over `todo`; returns the queries that asked for a follow-up search."""
