@@ -11,6 +11,7 @@ from qumem_pipeline.ingest.incremental import recorded_form
 from qumem_pipeline.ingest.archive import EMPTY_FINGERPRINT
 from qumem_pipeline.ingest.sync import sync_archive
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.storage.table_store import STORE_COLUMNS
 from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.ingest.validate import TURN_POLARS_SCHEMA
 from assets.versions import code_version, version_metadata
@@ -82,8 +83,6 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
         f"archive sync: {len(report.new)} new, {len(report.changed)} changed, {len(report.gone)} gone, "
         f"{report.unchanged} unchanged files; {report.files_read} read, {report.users_rebuilt} users rebuilt"
     )
-    run = layout.read_table("turns", users)
-    run = run if run is not None else pl.DataFrame(schema=TURN_POLARS_SCHEMA)
     fps = layout.read_table("fingerprints", users)
     _record_absent_users(layout, pipeline, users, fps)
     stats = {u: {"turns": 0, "quarantined": 0, "fingerprint": EMPTY_FINGERPRINT} for u in users}
@@ -91,21 +90,20 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
         stats[row["user_id"]] = {"turns": row["n_turns"], "quarantined": row["n_quarantined"], "fingerprint": row["fingerprint"]}
     unattributed_q = layout.read_user_table("quarantine", UNATTRIBUTED)
     unattributed = unattributed_q.height if unattributed_q is not None else 0
-    all_q = layout.read_table("quarantine")
-    by_field = dict(sorted(all_q.group_by("field").len().rows())) if all_q is not None and all_q.height else {}
     run_turns = sum(s["turns"] for s in stats.values())
     run_q = sum(s["quarantined"] for s in stats.values())
+    # This run's users only (their buckets' files): a run reads nothing in proportion to the archive.
+    run_bad = layout.read_table("quarantine", users) if run_q else None
+    by_field = dict(sorted(run_bad.group_by("field").len().rows())) if run_bad is not None else {}
     context.log.info(
-        f"{len(users)} users: {run_turns} turns, {run_q} quarantined for these users, "
-        f"{unattributed} unattributed bad rows; archive-wide quarantine by field: {by_field}"
+        f"{len(users)} users: {run_turns} turns, {run_q} quarantined for these users (by field: {by_field}), "
+        f"{unattributed} unattributed bad rows; {report.quarantined_read} rows quarantined in the files this sync read"
     )
-    schema_ok = checks.schema_conforms(run, dict(TURN_POLARS_SCHEMA), "turns")
+    schema_ok = checks.schema_conforms(_turns_schema(layout), dict(TURN_POLARS_SCHEMA), "turns")
     ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
     if not ceiling.passed:  # what the operator looks at: the run users' bad rows by field, and where they are
-        run_bad = layout.read_table("quarantine", users)
-        if run_bad is not None and run_bad.height:
-            by = run_bad.group_by("field").len().sort(["len", "field"], descending=[True, False])
-            ceiling.metadata["quarantined_by_field"] = ", ".join(f"{f} {n}" for f, n in by.rows())
+        ceiling.metadata["quarantined_by_field"] = ", ".join(
+            f"{f} {n}" for f, n in sorted(by_field.items(), key=lambda kv: (-kv[1], kv[0])))
         ceiling.metadata["quarantine_table"] = layout.table_dir("quarantine")
     # bucket scheme: what the planner compares with the archive (assets/partitions.py)
     record_materialized(context, pipeline, {u: recorded_form(s["fingerprint"]) for u, s in stats.items()})
@@ -119,7 +117,8 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
             "dagster/row_count": run_turns,
             "quarantined": run_q,
             "quarantined_unattributed": unattributed,
-            "archive_quarantined_by_field": dg.MetadataValue.json(by_field),
+            "quarantined_by_field": dg.MetadataValue.json(by_field),
+            "archive_rows_quarantined_this_sync": report.quarantined_read,
             "archive_files_read": report.files_read,
             "archive_files_new_changed_gone": dg.MetadataValue.json(
                 {"new": len(report.new), "changed": len(report.changed), "gone": len(report.gone)}),
@@ -129,6 +128,15 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
             **version_metadata("turns"),
         }
     )
+
+
+def _turns_schema(layout) -> pl.DataFrame:
+    """The turns table's columns as stored, with no rows: the schema check needs no data (it
+    used to read every turn of the run's users). The contract's own schema before any turn exists."""
+    schema = layout.store.schema("turns")
+    if schema is None:
+        return pl.DataFrame(schema=TURN_POLARS_SCHEMA)
+    return pl.DataFrame(schema={c: t for c, t in schema.items() if c not in STORE_COLUMNS})
 
 
 def _record_absent_users(layout, pipeline: PipelineConfig, users: list[str], fps: pl.DataFrame | None) -> None:
