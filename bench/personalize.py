@@ -230,7 +230,12 @@ def main(argv=None) -> int:
                 if not result.success:
                     raise SystemExit("personalize_job failed")
                 export_s = next((s.end_time - s.start_time for s in instance.get_run_step_stats(result.run_id)
-                                 if s.step_key == "export_personalization_op"), 0.0)
+                                 if s.step_key == "export_personalization_op"
+                                 and s.end_time is not None and s.start_time is not None), None)
+                if export_s is None:  # no silent 0: it would inflate orchestration_overhead_in_run
+                    steps = sorted(s.step_key for s in instance.get_run_step_stats(result.run_id))
+                    raise SystemExit("personalize_job: no timed step export_personalization_op in the run's step "
+                                     f"stats ({steps}); orchestration_overhead_in_run cannot be measured")
                 job_rep = result.output_for_node("export_personalization_op")
             finally:
                 drop_instance(instance, home)

@@ -39,6 +39,8 @@ After a configuration has built every user:
   the episodes stage classified, plus the embedder's raw forward over exactly the memory sentences,
   both measured in this run on pre-tokenised batches. bound_ratio = achieved turns/s (all stages,
   all orchestration, at the largest users-per-run) / bound.
+* A configuration in which no run executed has `overhead` and `turns_per_s` null (not a measured 0);
+  then `overhead_at_*` is null and no `bound_ratio` is reported.
 
 The issue's 100,000-user target (2 turns each, runs of 1,000 users, bucket scheme, PostgreSQL):
     QUMEM_PARTITION_SCHEME=user_buckets python bench/scale.py --users 100000 --turns 2 --configs 1000 \
@@ -256,8 +258,9 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
         "runs_planned": len(first.run_requests), "turns": n_turns,
         "wall_s": round(wall, 2), "stage_s": round(stage, 2),
         "stage_s_by_asset": {k: round(v, 2) for k, v in per_stage.items()},
-        "overhead": round((wall - stage) / wall, 4) if wall else 0.0,
-        "turns_per_s": round(n_turns / wall, 1) if wall else 0.0,
+        # None when no run executed (no wall time): not a measured 0
+        "overhead": round((wall - stage) / wall, 4) if requests and wall else None,
+        "turns_per_s": round(n_turns / wall, 1) if requests and wall else None,
         "first_check_s": round(first_check_s, 2),  # the first nightly evaluation: registers every user, plans
         # where the overhead is: the first run loads the models (counted above), the others do not
         "first_run": {"wall_s": round(walls[0][0], 2), "stage_s": round(walls[0][1], 2)} if walls else None,
@@ -530,6 +533,10 @@ def _other_scheme_runs(args, archive: Path) -> list[dict]:
     return out
 
 
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=1000)
@@ -609,7 +616,7 @@ def main(argv=None) -> int:
                 print(f"      asset page ({r['ui'].get('partition_count_text')}): {r['ui_load_s']}s, again "
                       f"{r['ui'].get('reload_s')}s", flush=True)
             print(f"[{SCHEME}] {per_run:>5} users/run: {r['users']} users, {r['runs']}/{r['runs_planned']} runs, "
-                  f"{r['turns']} turns, wall {r['wall_s']}s, stage {r['stage_s']}s, overhead {100 * r['overhead']:.1f}%, "
+                  f"{r['turns']} turns, wall {r['wall_s']}s, stage {r['stage_s']}s, overhead {_pct(r['overhead'])}, "
                   f"{r['turns_per_s']} turns/s", flush=True)
             if r.get("slice"):
                 print(f"      slice: nightly over the unchanged archive after {r['runs']} runs: "
@@ -637,6 +644,7 @@ def main(argv=None) -> int:
     }
     if bound:
         out["bound"] = bound
+    if bound and main_cfg["turns_per_s"] is not None:  # no ratio when no run executed
         out["bound_ratio"] = round(main_cfg["turns_per_s"] / bound["bound_turns_per_s"], 3)
         print(f"bound (raw forward, same data): classifier {bound['raw_pairs_per_s']} pairs/s, embedder "
               f"{bound['raw_sentences_per_s']} sentences/s -> {bound['bound_turns_per_s']} turns/s; "
@@ -645,7 +653,7 @@ def main(argv=None) -> int:
     print(f"{'users/run':>9} {'users':>6} {'runs':>5} {'turns':>7} {'wall s':>8} {'stage s':>8} {'overhead':>9} {'turns/s':>8}")
     for r in results:
         print(f"{r['users_per_run']:>9} {r['users']:>6} {r['runs']:>5} {r['turns']:>7} {r['wall_s']:>8} "
-              f"{r['stage_s']:>8} {100 * r['overhead']:>8.1f}% {r['turns_per_s']:>8}")
+              f"{r['stage_s']:>8} {_pct(r['overhead']):>9} {str(r['turns_per_s']):>8}")
     if args.json:
         print(json.dumps(out))
     return 0

@@ -17,13 +17,15 @@ an eval half:
   learned score over P(same) and adjacent-cosine features only (no block similarity);
 - ``classifier_alone``: the rule's steps 1-3 (P(same) < 0.42).
 
-Last line with ``--json``: one JSON object.
+Last line with ``--json``: one JSON object (a Pk / WindowDiff / F1 that is NaN, e.g. on a set with no
+reference boundary, is null there: JSON has no NaN).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -38,6 +40,19 @@ sys.path.insert(0, str(ROOT))
 SIMDIP_V1 = {"rule": "smooth-threshold-peaks-simdip-v1", "threshold": 0.42, "peak_threshold": None, "smoothing": 0.0,
              "min_segment": 1, "sim_threshold": None, "sim_window": 4, "sim_drop": 0.18, "sim_gate": 0.85,
              "sim_local_min": False}
+
+
+def json_safe(o):
+    """`o` with every NaN or infinite float (numpy scalars included) as None, containers walked: strict JSON."""
+    if isinstance(o, dict):
+        return {k: json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    if hasattr(o, "item") and getattr(o, "shape", None) == ():  # a numpy scalar
+        o = o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return o
 
 
 def main(argv=None) -> int:
@@ -72,7 +87,7 @@ def main(argv=None) -> int:
               "systems": table, "elapsed_s": round(time.time() - t0, 1)}
     print(f"re-chosen rule equals the shipped one: {result['rechosen_equals_shipped']}")
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(json_safe(result), allow_nan=False))
     return 0
 
 

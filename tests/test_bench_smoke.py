@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from qumem_pipeline.runtime.datasets import ENV_VAR, shared_datasets_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-LOCOMO = ROOT.parent / "shared" / "datasets" / "locomo" / "locomo_dev5.json"
+LOCOMO = shared_datasets_dir() / "locomo" / "locomo_dev5.json"
 
 
 def run_bench(*args: str, timeout: int = 600) -> dict:
@@ -120,13 +122,16 @@ def test_scale_slice_and_ui():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"LoCoMo dev file not found at {LOCOMO}")
+@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"LoCoMo dev file not found at {LOCOMO} (set {ENV_VAR})")
 def test_decompose_cost_smoke():
-    got = run_bench("bench/decompose_cost.py", "--smoke")
-    assert {"calls_per_100_turns", "prompt_tokens_per_turn", "completion_tokens_per_turn", "tokens_per_turn",
-            "computed_prefill_tokens_per_turn", "prefill_saved_fraction", "first_episode", "references"} <= got.keys()
+    got = run_bench("bench/decompose_cost.py", "--smoke", "--data", str(LOCOMO))  # its default ignores QUMEM_SHARED_DATASETS
+    assert {"planned_calls_per_100_turns", "prompt_tokens_per_turn", "completion_tokens_per_turn_projected",
+            "tokens_per_turn_projected", "sampled_calls", "computed_prefill_tokens_per_turn", "prefill_saved_fraction",
+            "first_episode", "references"} <= got.keys()
     assert "prefill_ratio" not in got and "first_session" not in got
-    assert got["first_episode"]["episodes"] == 1 and got["first_episode"]["llm_calls"] == 3
+    assert not {"calls_per_100_turns", "completion_tokens_per_turn", "tokens_per_turn"} & got.keys()
+    assert got["sampled_calls"] == 3 and got["completion_tokens_per_turn_projected"] is not None
+    assert got["first_episode"]["episodes"] == 1 and got["first_episode"]["planned_llm_calls"] == 3
     assert all("source" in ref for ref in got["references"].values())
 
 

@@ -180,6 +180,8 @@ def test_full_history_skipped_when_over_the_context_window(toy, embedder, tmp_pa
         assert len(_answer_requests(srv.requests())) == 5  # only 'none' was sent
     assert report["skipped"]["full_history_over_context_window"]["questions"] == 5
     assert report["qa"]["full_history"]["not_answered"] == 5 and report["qa"]["full_history"]["f1"] is None
+    # n_scored: the category 1-4 questions every strategy scored (full_history scored none), not n_questions
+    assert report["n_scored"] == report["qa"]["full_history"]["n"] == 0 and report["qa"]["none"]["n"] > 0
     # without memories the memory strategies are skipped with the reason, never silently empty
     assert "strategy_qumem" not in report["skipped"]
 

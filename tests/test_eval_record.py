@@ -11,9 +11,10 @@ from qumem_pipeline.eval.record import (
     ERROR_RECORD_MISS, RECORD_ROOT, EvalRecord, RecordBackend, call_key, format_missing, model_identity,
 )
 from qumem_pipeline.llm.base import BackendBase, ChatRequest, ChatResult, LLMEndpointError
+from qumem_pipeline.runtime.datasets import ENV_VAR, shared_datasets_dir
 
 REPO = Path(__file__).resolve().parents[1]
-DEV = REPO.parent / "shared" / "datasets" / "locomo" / "locomo_dev5.json"
+DEV = shared_datasets_dir() / "locomo" / "locomo_dev5.json"
 TABLE = "locomo_qa_smollm2_conv30_s1"
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
@@ -130,7 +131,33 @@ def test_generate_each_records_and_replays(tmp_path):
     assert again == got and only.hits == 2 and not only.missing
 
 
-needs_data = pytest.mark.skipif(not DEV.exists(), reason=f"LoCoMo dev file not at {DEV} (../shared/datasets)")
+def test_record_status_json_is_one_compact_last_line(capsys):
+    from qumem_pipeline.eval.record_cli import main
+
+    assert main(["--record", str(RECORD_ROOT), "status", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    got = json.loads(lines[-1])
+    assert {"root", "runs", "models", "tables"} <= got.keys() and TABLE in got["tables"]
+    assert main(["--record", str(RECORD_ROOT), "status"]) == 0  # without --json: indented, as before
+    assert json.loads(capsys.readouterr().out) == got and len(lines) == 1
+
+
+def test_record_check_and_table_json_when_nothing_replays(tmp_path, capsys):
+    """`check --json` on a record with no tables, `table NAME --json -- ...` whose replay fails: the last
+    stdout line says so, with the exit code; nothing is written."""
+    from qumem_pipeline.eval.record_cli import main
+
+    root = tmp_path / "rec"
+    assert main(["--record", str(root), "check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"tables": {}, "rc": 1}
+    for argv in (["table", "t1", "--json", "--", "segmentation"], ["table", "--json", "t1", "--", "segmentation"]):
+        assert main(["--record", str(root), *argv]) == 1
+        got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert got["table"] == "t1" and got["written"] is False and got["rc"] == 1
+    assert not (root / "tables" / "t1.json").exists()
+
+
+needs_data = pytest.mark.skipif(not DEV.exists(), reason=f"LoCoMo dev file not at {DEV} (set {ENV_VAR})")
 
 
 @needs_data
@@ -140,10 +167,11 @@ def test_committed_table_replays_from_the_record_with_no_model(monkeypatch, caps
 
     monkeypatch.setenv("QUMEM_LLM_KIND", "no-such-backend")  # any model start would fail loudly
     assert (RECORD_ROOT / "tables" / f"{TABLE}.json").is_file()
-    rc = check(EvalRecord(RECORD_ROOT), [TABLE])
+    rc = check(EvalRecord(RECORD_ROOT), [TABLE], as_json=True)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"{TABLE}: same" in out
+    assert json.loads(out.strip().splitlines()[-1]) == {"tables": {TABLE: "same"}, "rc": 0}  # --json: the last line
     body = json.loads((RECORD_ROOT / "tables" / f"{TABLE}.json").read_text())
     fig = body["figures"]
     assert set(fig["qa"]) == {"none", "topk_turns", "topk_memories", "qumem", "adamem"}

@@ -9,6 +9,10 @@
 - ``prune [--dry-run]``: replay every recorded run and every table; remove the entries none of them
   asked for (no current prompt uses them: the prompt changed, or the run's settings did).
 
+Each subcommand takes ``--json``: its last stdout line is then one compact JSON object (``status``: its
+figures; ``table``: the table written, its path and exit code; ``check``: per table ``"same"``, its
+differences or its failed replay, and the exit code; ``prune``: its counts, as without ``--json``).
+
 Every replay runs from the repository root, so the dataset paths in the commands are relative to it.
 """
 
@@ -101,16 +105,20 @@ def _tables(record: EvalRecord, names: Sequence[str] = ()) -> list[Path]:
     return paths
 
 
-def write_table(record: EvalRecord, name: str, command: Sequence[str]) -> int:
+def write_table(record: EvalRecord, name: str, command: Sequence[str], as_json: bool = False) -> int:
     rc, report = replay(command, record, quiet=False)
+    path = record.root / "tables" / f"{name}.json"
     if rc or report is None:
         print(f"table {name}: the replay failed (exit {rc}); nothing written", file=sys.stderr)
+        if as_json:
+            print(json.dumps({"table": name, "written": False, "path": str(path), "rc": rc or 1}))
         return rc or 1
-    path = record.root / "tables" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"command": ["qumem", "eval", *command], "figures": figures(report)}
     path.write_text(json.dumps(body, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
     print(f"wrote {path}")
+    if as_json:
+        print(json.dumps({"table": name, "written": True, "path": str(path), **body, "rc": 0}, ensure_ascii=False))
     return 0
 
 
@@ -123,25 +131,33 @@ def _diff(a, b, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: committed {json.dumps(a)[:200]} != replayed {json.dumps(b)[:200]}"]
 
 
-def check(record: EvalRecord, names: Sequence[str] = ()) -> int:
+def check(record: EvalRecord, names: Sequence[str] = (), as_json: bool = False) -> int:
     bad = 0
     tables = _tables(record, names)
     if not tables:
         print(f"no tables under {record.root / 'tables'}", file=sys.stderr)
+        if as_json:
+            print(json.dumps({"tables": {}, "rc": 1}))
         return 1
+    result: dict[str, object] = {}  # per table: "same", its differences, or its failed replay
     for p in tables:
         body = json.loads(p.read_text())
         rc, report = replay(body["command"][2:], record)
         if rc or report is None:
             print(f"{p.stem}: replay failed (exit {rc})")
+            result[p.stem] = {"replay_failed": True, "exit": rc}
             bad += 1
             continue
         diffs = _diff(body["figures"], figures(report))
         print(f"{p.stem}: {'same' if not diffs else f'{len(diffs)} figure(s) moved'}")
         for d in diffs[:40]:
             print("  " + d)
+        result[p.stem] = "same" if not diffs else {"differences": diffs}
         bad += bool(diffs)
-    return 1 if bad else 0
+    rc = 1 if bad else 0
+    if as_json:
+        print(json.dumps({"tables": result, "rc": rc}, ensure_ascii=False))
+    return rc
 
 
 def _dataset_path(name: str) -> str | None:
@@ -205,25 +221,27 @@ def prune(record: EvalRecord, dry_run: bool = False) -> int:
     return 0
 
 
-def status(record: EvalRecord) -> int:
+def status(record: EvalRecord, as_json: bool = False) -> int:
     runs = record.runs()
-    print(json.dumps({"root": str(record.root), **record.size(), "runs": len(runs),
-                      "models": sorted({r["model"] for r in runs}),
-                      "tables": [p.stem for p in _tables(record)]}, indent=1))
+    out = {"root": str(record.root), **record.size(), "runs": len(runs), "models": sorted({r["model"] for r in runs}),
+           "tables": [p.stem for p in _tables(record)]}
+    print(json.dumps(out) if as_json else json.dumps(out, indent=1))  # --json: one compact line
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="qumem eval record", description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", default=None, help="the record (default eval_record/ or $QUMEM_EVAL_RECORD)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="the last stdout line is one compact JSON object")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("status")
-    t = sub.add_parser("table")
+    sub.add_parser("status", parents=[common])
+    t = sub.add_parser("table", parents=[common], usage="%(prog)s [--json] name [-- locomo PATH ...]")
     t.add_argument("name")
     t.add_argument("command", nargs=argparse.REMAINDER, help="-- then the `qumem eval` arguments (locomo PATH ...)")
-    c = sub.add_parser("check")
+    c = sub.add_parser("check", parents=[common])
     c.add_argument("names", nargs="*")
-    p = sub.add_parser("prune")
+    p = sub.add_parser("prune", parents=[common])
     p.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -231,18 +249,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = Path(args.record) if args.record else (default_root() or REPO_ROOT / "eval_record")
     record = EvalRecord(root.resolve())
     if args.cmd == "status":
-        return status(record)
+        return status(record, args.json)
     if args.cmd == "check":
-        return check(record, args.names)
+        return check(record, args.names, args.json)
     if args.cmd == "prune":
-        return prune(record, args.dry_run)
-    command = [a for a in args.command if a != "--"]
+        return prune(record, args.dry_run)  # its last stdout line is one compact JSON object, --json or not
+    # `table NAME --json [-- ...]`: argparse leaves a `--json` after NAME to the remainder; before `--` it is ours
+    rest = list(args.command)
+    if "--" in rest:
+        cut = rest.index("--")
+        head, tail = rest[:cut], rest[cut + 1:]
+    else:
+        n = next((i for i, a in enumerate(rest) if a != "--json"), len(rest))
+        head, tail = rest[:n], rest[n:]
+    args.json = args.json or "--json" in head
+    command = [a for a in head if a != "--json"] + [a for a in tail if a != "--"]
     if not command:
         path = record.root / "tables" / f"{args.name}.json"
         if not path.is_file():
             raise SystemExit(f"no table {args.name}: give its command after --")
         command = json.loads(path.read_text())["command"][2:]
-    return write_table(record, args.name, command)
+    return write_table(record, args.name, command, args.json)
 
 
 if __name__ == "__main__":

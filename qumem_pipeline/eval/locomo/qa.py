@@ -434,7 +434,12 @@ class _QARun:
             replay_info, selected, _ = _replay_summary(backend, selected, convs, cover, self.record, self.path,
                                                        self.max_sessions, self.llm_max_tokens, memories)
         report = build_report(selected, run, self.done, self.skipped, strategies)
-        report["n_scored"] = report["n_questions"]
+        # Not every strategy scores every selected question (full_history skips prompts over the context
+        # window, a memory strategy skips conversations without memories, a run may stop part way:
+        # `qa.<s>.not_answered`), so `n_scored` counts the category 1-4 questions scored by every strategy
+        # of the run; each strategy's own count is `qa.<s>.n`.
+        report["n_scored"] = sum(1 for q in selected if q.category in HEADLINE
+                                 and all((s, q.key) in self.done for s in run)) if run else 0
         if replay_info is not None:
             report["replay"] = replay_info
         elif self.record is not None and backend is not None:
