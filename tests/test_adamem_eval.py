@@ -50,6 +50,13 @@ def test_three_strategies_side_by_side(slice_file):
     assert "strategy adamem" in out and "strategy topk" in out
 
 
-def test_unknown_strategy_is_refused(slice_file):
+def test_unknown_strategy_is_refused(tmp_path):
+    """Argument validation needs no dataset: a one-session LoCoMo-format file (as in test_qumem_harness.py)."""
+    conv = {"speaker_a": "Ann", "speaker_b": "Bo", "session_1_date_time": "1:00 pm on 1 May, 2023",
+            "session_1": [{"speaker": "Ann", "dia_id": "D1:1", "text": "I adopted a puppy named Rex."},
+                          {"speaker": "Bo", "dia_id": "D1:2", "text": "How is he settling in?"}]}
+    toy = tmp_path / "toy_locomo.json"
+    toy.write_text(json.dumps([{"sample_id": "toy-1", "conversation": conv, "qa": [
+        {"question": "What is the puppy's name?", "answer": "Rex", "evidence": ["D1:1"], "category": 1}]}]))
     with pytest.raises(ValueError, match="unknown strategies"):
-        main([str(slice_file), "--units", "turns", "--strategies", "adamem,bogus"])
+        main([str(toy), "--units", "turns", "--strategies", "adamem,bogus"])

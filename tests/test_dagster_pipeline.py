@@ -259,14 +259,22 @@ def test_rerun_converges(pipeline_run):
     """A second run over the same users rewrites the same rows (ids stable, no duplicates)."""
     data_root, defs, instance = pipeline_run["data_root"], pipeline_run["defs"], pipeline_run["instance"]
     layout = DataLayout(data_root)
-    before = layout.read_user_table("episodes", "alice")
-    assert run_job(defs, instance, ["alice"], job="ingest_job").success
-    after_turns = layout.read_user_table("turns", "alice")
-    assert after_turns.height == 4
-    with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
-        assert con.execute("SELECT count(*) FROM turns WHERE user_id='alice'").fetchone()[0] == 4
-    assert before["episode_id"].n_unique() == before.height
+    ids = lambda table, col: layout.read_user_table(table, "alice")[col].to_list()  # noqa: E731
+    eps_before, mems_before = ids("episodes", "episode_id"), ids("memories", "memory_id")
+    assert eps_before and mems_before, "alice needs episodes and memories, or stable ids are proven on nothing"
+    # the main job again (episodes, memories and the rest rebuilt; the LLM calls come from its checkpoints)
+    result = run_job(defs, instance, ["alice"])
+    assert result.success
+    assert {m.asset_key.to_user_string() for m in result.get_asset_materialization_events()} == set(ALL_ASSETS)
+    eps_after, mems_after = ids("episodes", "episode_id"), ids("memories", "memory_id")
+    assert sorted(eps_after) == sorted(eps_before) and len(set(eps_after)) == len(eps_after)
+    assert sorted(mems_after) == sorted(mems_before) and len(set(mems_after)) == len(mems_after)
+    assert sorted(ids("memory_embeddings", "memory_id")) == sorted(mems_before)
+    assert layout.read_user_table("turns", "alice").height == 4
     assert layout.read_table("turns")["user_id"].value_counts().sort("user_id").rows() == [("alice", 4), ("bob", 4), ("chen", 2)]
+    with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
+        count = lambda t: con.execute(f"SELECT count(*) FROM {t} WHERE user_id='alice'").fetchone()[0]  # noqa: E731
+        assert (count("turns"), count("episodes"), count("memories")) == (4, len(eps_before), len(mems_before))
 
 
 def test_forget_rejects_malicious_id(dagster_env, small_archive):

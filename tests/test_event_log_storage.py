@@ -148,9 +148,17 @@ def test_failed_index_write_leaves_no_run_rows_for_dagsters_fallback(batched, mo
         instance=batched, tags={RANGE_START: "ann", RANGE_END: "ben"},
     )
     storage = batched.event_log_storage
-    batch = [e for e in batched.all_logs(result.run_id) if e.dagster_event_type in ASSET_EVENTS][:3]
+    # good's planned and materialized events: the materializations carry tags and index rows
+    batch = [e for e in batched.all_logs(result.run_id)
+             if e.dagster_event_type in ASSET_EVENTS and e.dagster_event.asset_key == good.key]
+    assert [e.dagster_event_type for e in batch].count(dg.DagsterEventType.ASSET_MATERIALIZATION) == 2
     before = len(batched.all_logs(result.run_id))
-    index_before = len(storage.get_event_tags_for_asset(good.key))
+
+    def index_state():  # what the index database holds for `good`: its tag rows and materialization records
+        mats = batched.fetch_materializations(good.key, limit=100).records
+        return len(storage.get_event_tags_for_asset(good.key)), len(mats)
+
+    index_before = index_state()
 
     def broken(*args, **kwargs):
         raise RuntimeError("index database is full")
@@ -159,11 +167,17 @@ def test_failed_index_write_leaves_no_run_rows_for_dagsters_fallback(batched, mo
     with pytest.raises(RuntimeError, match="index database is full"):
         storage.store_event_batch(batch)
     assert len(batched.all_logs(result.run_id)) == before  # nothing half-written in the run database
+    assert index_state() == index_before  # nor in the index
     monkeypatch.undo()
     for e in batch:  # what Dagster's fallback does after a failed batch
         storage.store_event(e)
-    assert len(batched.all_logs(result.run_id)) == before + 3
-    assert len(storage.get_event_tags_for_asset(good.key)) >= index_before
+    assert len(batched.all_logs(result.run_id)) == before + len(batch)
+    after_fallback = index_state()
+    # the same batch stored by a write that never fails adds exactly what the fallback added
+    storage.store_event_batch(batch)
+    clean = index_state()
+    added = lambda a, b: tuple(y - x for x, y in zip(a, b))  # noqa: E731
+    assert added(index_before, after_fallback) == added(after_fallback, clean) == (2, 2)
 
 
 # --- the PostgreSQL instance (deploy/postgres/dagster.yaml): the same equivalence, batched vs not ---

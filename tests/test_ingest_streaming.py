@@ -14,6 +14,7 @@ from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive
 from qumem_pipeline.ingest.importers import import_archive
 from qumem_pipeline.ingest.sync import sync_archive, validate_streamed
 from qumem_pipeline.ingest.validate import StrictValidationError, validate
+from qumem_pipeline.runtime.datasets import ENV_VAR, shared_datasets_dir
 from qumem_pipeline.storage.layout import DataLayout
 
 ARCHIVE = Path(__file__).resolve().parent.parent / "examples" / "archive"
@@ -106,9 +107,10 @@ def test_strict_streaming_fails_naming_file_row_field(tmp_path):
 
 
 def test_locomo_and_chatgpt_files_are_read_whole_per_file():
-    candidates = sorted(Path("/work/shared/datasets/locomo").glob("locomo_dev*.json")) if Path("/work/shared/datasets/locomo").exists() else []
+    locomo = shared_datasets_dir() / "locomo"
+    candidates = sorted(locomo.glob("locomo_dev*.json")) if locomo.is_dir() else []
     if not candidates:
-        pytest.skip("no LoCoMo file here")
+        pytest.skip(f"no LoCoMo dev file (locomo_dev*.json) in {locomo} (set {ENV_VAR})")
     path = candidates[0]
     old = validate(import_archive(path, "locomo"), now=NOW)
     new = validate_streamed(str(path), "locomo", now=NOW)

@@ -103,7 +103,9 @@ def test_the_warehouse_writer_is_serialized_across_runs():
 
 
 def test_rendered_step_jobs_are_valid_kubernetes(k8s):
-    for op, job in {**k8s.step_job_manifests("main_job"), **k8s.step_job_manifests("forget_user_job")}.items():
+    jobs = {**k8s.step_job_manifests("main_job"), **k8s.step_job_manifests("forget_user_job")}
+    assert jobs, "no step job rendered: nothing validated"
+    for op, job in jobs.items():
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
 
 

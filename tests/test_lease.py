@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import polars as pl
 import pytest
@@ -81,14 +81,17 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path):
 
 def test_renewal_keeps_the_lease_past_its_ttl(tmp_path):
     with held(str(tmp_path), "ingest", ttl_s=1.5) as lease:
+        _, first = lease.state()
         time.sleep(2.5)  # longer than one ttl: the renewer extended it
         lease.check()
         seq, row = lease.state()
         assert row["holder"] == lease.holder and row["action"] == "renew" and seq >= 3
+        # the first expiry has passed, yet the lease holds: a renewal moved its expiry, by one ttl from the renewal
+        assert first["expires_at"] < datetime.now(timezone.utc) and row["expires_at"] > first["expires_at"]
+        assert row["expires_at"] - row["written_at"] == timedelta(seconds=1.5)
         other = Lease(tmp_path, "ingest", ttl_s=1.5, holder="host-z:1:x")
         with pytest.raises(LeaseHeldError):
             other.acquire(wait_s=0.5, poll_s=0.1)
-    assert lease.ttl == timedelta(seconds=1.5)
 
 
 def test_the_ingest_sync_holds_the_roots_lease(tmp_path, monkeypatch):

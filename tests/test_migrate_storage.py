@@ -85,12 +85,35 @@ def test_migration_is_lossless(tmp_path):
     assert ForgetRegistry(new).tombstones.erased_among(["eve", "alice"]) == {"eve"}  # deleted by the old layout
 
 
-def test_mismatch_is_detected(tmp_path):
+@pytest.mark.parametrize("tamper, message", [
+    (lambda df: None, r"turns/bob: 2 rows in the source, None in the store"),
+    (lambda df: df.head(1), r"turns/bob: 2 rows in the source, 1 in the store"),
+    (lambda df: df.with_columns(pl.lit("changed").alias("text")), r"turns/bob: content hash differs"),
+    (lambda df: df.drop("text"), r"columns \['text'\] did not reach the store"),
+], ids=["user_missing", "row_missing", "content_changed", "column_missing"])
+def test_mismatch_is_detected(tmp_path, monkeypatch, tamper, message):
     a = pl.DataFrame({"x": [1, 2], "s": ["a", "b"]})
     assert content_hash(a) == content_hash(a.reverse()) != content_hash(a.with_columns(pl.lit("c").alias("s")))
     with pytest.raises(FileNotFoundError):
         migrate_storage(tmp_path / "missing", tmp_path / "new")
-    assert MigrationMismatch.__doc__
+    old = tmp_path / "old"
+    for u in ("alice", "bob"):
+        atomic_write_parquet(pl.DataFrame({"user_id": [u] * 2, "turn_index": [0, 1], "text": [f"{u} 0", f"{u} 1"]}),
+                             old / "turns" / f"user_id={u}" / "part-0.parquet")
+    migrate_storage(old, tmp_path / "clean")  # untampered, the same source verifies
+    read_users = DataLayout.read_users
+
+    def tampered(self, table, users):  # the store loses or alters bob's rows between write and verification
+        back = read_users(self, table, users)
+        if "bob" in back and (df := tamper(back["bob"])) is not None:
+            back["bob"] = df
+        else:
+            back.pop("bob", None)
+        return back
+
+    monkeypatch.setattr(DataLayout, "read_users", tampered)
+    with pytest.raises(MigrationMismatch, match=message):
+        migrate_storage(old, tmp_path / "new")
 
 
 def test_cli_migrate_storage(tmp_path):

@@ -29,6 +29,9 @@ def test_new_column_is_added(tmp_path):
     layout.write_user_table("turns", "bob", pl.DataFrame({"user_id": ["bob"], "text": ["b"], "extra": [1]}))
     wh.load_users(layout, ["bob"], ["turns"])
     assert wh.counts()["turns"] == 2
+    with duckdb.connect(str(wh.path), read_only=True) as con:
+        rows = con.execute("SELECT user_id, text, extra FROM turns ORDER BY user_id").fetchall()
+    assert rows == [("alice", "a", None), ("bob", "b", 1)]  # the column arrives; alice's older row gets NULL
 
 
 def test_delete_user_leaves_no_bytes_on_disk(tmp_path):
