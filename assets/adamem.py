@@ -103,12 +103,14 @@ def memory_graph(context: dg.AssetExecutionContext, pipeline: PipelineConfig) ->
     layout = pipeline.layout()
     t0 = time.perf_counter()
     all_nodes, all_edges = [], []
+    # One read per table for the whole run (a read per user lists the table's files each time).
+    held = {x: layout.read_users(x, users) for x in ("turns", "episodes", "memories", "persona_profiles")}
     with ProgressLogger(context.log, "memory graphs built") as progress:
         for i, u in enumerate(users, start=1):
-            t, e, m = (layout.read_user_table(x, u) for x in ("turns", "episodes", "memories"))
+            t, e, m = (held[x].get(u) for x in ("turns", "episodes", "memories"))
             if t is None or e is None or m is None:
                 raise dg.Failure(f"user {u}: materialize `turns`, `episodes` and `memories` first")
-            nodes, edges = build_memory_graph(u, t, e, m, layout.read_user_table("persona_profiles", u))
+            nodes, edges = build_memory_graph(u, t, e, m, held["persona_profiles"].get(u))
             all_nodes.append(nodes)
             all_edges.append(edges)
             progress(i, len(users))

@@ -59,10 +59,12 @@ def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: L
     inputs = []
     all_eps = []
     all_turns = []  # (user_id, turn_index) of the run's users now: what evidence may cite
+    # One read per table for the whole run (a read per user lists the table's files each time).
+    turns_of, eps_of = layout.read_users("turns", users), layout.read_users("episodes", users)
     for u in users:
         # A user with no turns (their source files were withdrawn) has present, empty turns and
         # episodes: no inputs, and publishing writes them empty in every memories table.
-        turns_df, eps_df = layout.read_user_table("turns", u), layout.read_user_table("episodes", u)
+        turns_df, eps_df = turns_of.get(u), eps_of.get(u)
         if turns_df is None or eps_df is None:
             raise dg.Failure(f"user {u}: materialize `turns` and `episodes` first")
         stale = set(eps_df["turn_ids"].explode().drop_nulls().to_list()) - set(turns_df["turn_index"].to_list()) \

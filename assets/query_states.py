@@ -55,7 +55,8 @@ def query_states(
         )
     valid, bad = read_queries(pipeline.queries_path)
     valid = valid.filter(pl.col("user_id").is_in(users))
-    turns_by_user = {u: layout.read_user_table("turns", u) for u in users}
+    held = layout.read_users("turns", users)  # one read for the run; None: never written
+    turns_by_user = {u: held.get(u) for u in users}
     # A user with no turns (their source files were withdrawn) has no history to answer from: their
     # queries get no state, and publishing removes the states and quarantine rows they had.
     no_history = [u for u, t in turns_by_user.items() if t is not None and t.height == 0]

@@ -154,6 +154,30 @@ def test_build_write_load_roundtrip(tmp_path):
     assert store.search("nobody", "fact", vecs[:2], k=3) == [[], []]
 
 
+def test_batched_load_equals_per_user_load(tmp_path):
+    """`preload` reads every user's indexes in one read per table: the same indexes as one user at a time."""
+    rng = np.random.default_rng(2)
+    layout = DataLayout(tmp_path)
+    for user, n in (("alice", 7), ("bob", 4)):
+        vecs = _unit(rng, n)
+        types = [vi.MEMORY_TYPES[i % 3] for i in range(n)]
+        vi.build_and_write_user_indexes(layout, _emb_frame(user, [f"{user}{i}" for i in range(n)], types,
+                                                           list(range(n)), vecs), user, use_gpu=False)
+    batched = vi.load_users_indexes(layout, ["bob", "nobody", "alice"])
+    assert list(batched) == ["bob", "nobody", "alice"] and batched["nobody"] is None
+    for user in ("alice", "bob"):
+        one = vi.load_user_indexes(layout, user)
+        for t in vi.MEMORY_TYPES:
+            a, b = batched[user].by_type[t], one.by_type[t]
+            assert a.ids.tolist() == b.ids.tolist() and a.memory_ids == b.memory_ids
+            assert a.positions.tolist() == b.positions.tolist() and a.ntotal == b.ntotal
+    store = vi.VectorStore(layout)
+    store.preload(["alice", "bob", "nobody"])
+    probe = _unit(rng, 1)
+    assert store.search("alice", "fact", probe, k=3) == vi.VectorStore(layout).search("alice", "fact", probe, k=3)
+    assert store.search("nobody", "fact", probe, k=3) == [[]]
+
+
 def test_empty_types_and_stale_detection(tmp_path):
     rng = np.random.default_rng(1)
     vecs = _unit(rng, 2)

@@ -30,3 +30,11 @@ def test_a_stored_column_of_the_wrong_type_fails_the_check(tmp_path):
     layout.replace_users("turns", ["bob"], bad)
     outcome = checks.schema_conforms(_turns_schema(layout), dict(TURN_POLARS_SCHEMA), "turns")
     assert not outcome.passed and "turn_index" in outcome.description
+
+
+def test_count_user_rows_counts_rows_not_placeholders(tmp_path):
+    layout = DataLayout(tmp_path / "data")
+    assert layout.count_user_rows("turns", "alice") == 0  # no table yet
+    layout.replace_users("turns", ["alice", "bob"], _turn_rows("alice", 3))  # bob: written empty
+    assert (layout.count_user_rows("turns", "alice"), layout.count_user_rows("turns", "bob")) == (3, 0)
+    assert layout.read_user_table("turns", "bob").height == 0  # present, empty: a placeholder row

@@ -261,11 +261,21 @@ def build_and_write_user_indexes(layout: DataLayout, embeddings: pl.DataFrame, u
 
 def load_user_indexes(layout: DataLayout, user_id: str) -> UserIndexes | None:
     """A user's indexes from the store (None when the user has no id map); StaleIndexError on mismatch."""
-    idmap = layout.read_user_table(IDMAP_TABLE, user_id)
+    return _user_indexes(user_id, layout.read_user_table(IDMAP_TABLE, user_id), layout.read_user_table(INDEX_TABLE, user_id))
+
+
+def load_users_indexes(layout: DataLayout, users: Iterable[str]) -> dict[str, UserIndexes | None]:
+    """`load_user_indexes` for many users in one read per table (a read per user lists the
+    tables' files each time: a run of thousands of users paid that thousands of times)."""
+    users = list(dict.fromkeys(users))
+    idmaps, stored = layout.read_users(IDMAP_TABLE, users), layout.read_users(INDEX_TABLE, users)
+    return {u: _user_indexes(u, idmaps.get(u), stored.get(u)) for u in users}
+
+
+def _user_indexes(user_id: str, idmap: pl.DataFrame | None, stored_rows: pl.DataFrame | None) -> UserIndexes | None:
     if idmap is None:
         return None
     rows_by_type = {}
-    stored_rows = layout.read_user_table(INDEX_TABLE, user_id)
     if stored_rows is not None:
         rows_by_type = {r["type"]: r["faiss"] for r in stored_rows.iter_rows(named=True)}
     models = [m for m in idmap["embedding_model"].unique().to_list() if m is not None] if idmap.height else []
@@ -434,6 +444,16 @@ class VectorStore:
                 self._cache[user_id] = load_user_indexes(self.layout, user_id)
             return self._cache[user_id]
 
+    def preload(self, users: Iterable[str]) -> None:
+        """Load the indexes of every user not cached yet, in one read per table (`load_users_indexes`)."""
+        with self._lock:
+            missing = [u for u in dict.fromkeys(users) if u not in self._cache]
+        if missing:
+            loaded = load_users_indexes(self.layout, missing)
+            with self._lock:
+                for u, ux in loaded.items():
+                    self._cache.setdefault(u, ux)
+
     def invalidate(self, user_id: str | None = None) -> None:
         with self._lock:
             if user_id is None:
@@ -459,5 +479,5 @@ __all__ = [
     "MEMORY_TYPES", "INDEX_TABLE", "IDMAP_TABLE", "IDMAP_SCHEMA", "IdCollisionError", "StaleIndexError",
     "normalize_type", "stable_id", "assign_ids", "gpu_available", "gpu_resources", "build_index",
     "TypeIndex", "UserIndexes", "build_user_indexes", "write_user_indexes", "build_and_write_user_indexes",
-    "load_user_indexes", "search_type_index", "VectorStore", "index_frame", "write_users_indexes",
+    "load_user_indexes", "load_users_indexes", "search_type_index", "VectorStore", "index_frame", "write_users_indexes",
 ]

@@ -30,12 +30,15 @@ def adamem_retriever(layout: DataLayout, users: list[str], turns_by_user: dict, 
     else:  # none yet, or from another model: embed the memories with the query embedder
         vectors = None
     bundles = {}
+    # one read per table for all the users (a read per user lists the table's files each time)
+    nodes_of, edges_of = layout.read_users(GRAPH_NODES, users), layout.read_users(GRAPH_EDGES, users)
+    profiles_of = layout.read_users("persona_profiles", users)
     for u in users:
-        nodes, edges = layout.read_user_table(GRAPH_NODES, u), layout.read_user_table(GRAPH_EDGES, u)
+        nodes, edges = nodes_of.get(u), edges_of.get(u)
         if turns_by_user.get(u) is None or nodes is None or edges is None:
             raise MissingUpstream(f"user {u}: materialize `turns` and `memory_graph` first (strategies adamem, qumem_hybrid)")
         bundles[u] = UserBundle.build(u, turns_by_user[u], mems.filter(pl.col("user_id") == u), embedder,
-                                      nodes=nodes, edges=edges, profiles=layout.read_user_table("persona_profiles", u),
+                                      nodes=nodes, edges=edges, profiles=profiles_of.get(u),
                                       memory_vectors=vectors)
     return AdaMemRetriever(bundles, embedder)
 
@@ -45,7 +48,9 @@ def retriever_for(strategy: QueryStrategy, layout: DataLayout, users: list[str],
     """The retriever `strategy.infer` expects (`strategy.retriever_kind`) over these users' tables."""
     if strategy.retriever_kind == "adamem":
         return adamem_retriever(layout, users, turns_by_user, mems, embedder)
-    typed = TypedMemoryRetriever(VectorStore(layout), embedder, mems)
+    vectors = VectorStore(layout)
+    vectors.preload(users)  # every user's indexes in two reads, not two per user
+    typed = TypedMemoryRetriever(vectors, embedder, mems)
     if strategy.retriever_kind == "hybrid":
         return HybridRetriever(typed, adamem_retriever(layout, users, turns_by_user, mems, embedder))
     return typed

@@ -129,6 +129,11 @@ class DataLayout:
             return None
         return _data(df)
 
+    def count_user_rows(self, table: str, user_id: str) -> int:
+        """How many rows the user has (0 if none or never written), reading only the key columns."""
+        df = self.store.read(table, [_check_key(user_id)], columns=[])
+        return 0 if df is None else int((~df[PLACEHOLDER]).sum())
+
     def read_users(self, table: str, users: Iterable[str]) -> dict[str, pl.DataFrame]:
         """user -> rows for the present ones among `users`, in one read."""
         users = [_check_key(u) for u in dict.fromkeys(users)]
