@@ -4,8 +4,10 @@ and requests range runs for new or changed ones, and for registered users that l
 QUMEM_USERS_PER_RUN users per run, packed as the nightly schedule packs them.
 
 What was built lives in the instance (the fingerprints `turns` records), not in the cursor: the
-cursor is one digest of the archive's fingerprints at the last tick, so an unchanged archive
-costs the discovery only, and the cursor stays 64 characters at any user count. Run keys name the
+cursor is the fingerprints table's content state (a digest of its data files) and one digest of
+the archive's fingerprints at the last tick (`f<state>:<digest>`), so it stays short at any user
+count. A tick whose sync leaves the table holding the same files reads no fingerprint at all; one
+that finds the same digest requests nothing. Run keys name the
 users and their fingerprints, so a run still in flight is never requested twice, and a user whose
 content changes again gets a new run.
 """
@@ -30,6 +32,16 @@ def archive_digest(fingerprints: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def parse_cursor(cursor: str | None) -> tuple[str | None, str | None]:
+    """(fingerprints table state, archive digest) of a cursor; a bare digest (older cursors) has no state."""
+    if not cursor:
+        return None, None
+    head, sep, digest = cursor.partition(":")
+    if sep and head.startswith("f") and len(head) > 1:
+        return head[1:], digest
+    return None, cursor
+
+
 def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = USERS_PER_RUN,
                            name: str = "user_discovery_sensor") -> dg.SensorDefinition:
     @dg.sensor(
@@ -41,10 +53,16 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
                     "for new or changed ones.",
     )
     def _sensor(context: dg.SensorEvaluationContext, pipeline: PipelineConfig):
-        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
+        seen_state, seen_digest = parse_cursor(context.cursor)
+        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout(),
+                         unless_state=seen_state)
+        if found is None:
+            return dg.SkipReason("archive unchanged since the last tick (the fingerprints table holds the same files)")
         digest = archive_digest(found.fingerprints)
-        if context.cursor == digest:
-            return dg.SkipReason(f"archive unchanged since the last tick ({len(found.fingerprints)} users)")
+        cursor = digest if found.fingerprints_state is None else f"f{found.fingerprints_state}:{digest}"
+        if seen_digest == digest:  # the table's files changed (rows rewritten as they were), its content did not
+            return dg.SensorResult(skip_reason=f"archive unchanged since the last tick ({len(found.fingerprints)} users)",
+                                   cursor=cursor)
         # New or changed content only: finishing interrupted runs is the nightly schedule's job.
         planned = plan_users(context.instance, pipeline, found.fingerprints, None)
         plan, recorded = planned.plan, planned.recorded
@@ -63,7 +81,7 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
         return dg.SensorResult(
             run_requests=requests,
             dynamic_partitions_requests=[registry.build_add_request(plan.new)] if plan.new and SCHEME == "users" else [],
-            cursor=digest,
+            cursor=cursor,
         )
 
     return _sensor

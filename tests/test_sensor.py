@@ -4,6 +4,8 @@ New or changed users are packed into range runs of at most users_per_run; the cu
 digest (state lives in the instance), and an unchanged archive requests nothing.
 """
 
+import re
+
 import dagster as dg
 import pytest
 
@@ -40,7 +42,26 @@ def _users_of(request, instance, modules, pipeline=None) -> list[str]:
     return order[order.index(request.tags[RANGE_START]): order.index(request.tags[RANGE_END]) + 1]
 
 
-def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme):
+def _must_not_read(*a, **k):
+    raise AssertionError("the tick read the fingerprints table although its files had not changed")
+
+
+def _skipped(res) -> bool:
+    """Nothing requested: a bare SkipReason, or a result that only moves the cursor."""
+    return isinstance(res, dg.SkipReason) or (isinstance(res, dg.SensorResult) and not res.run_requests
+                                              and res.skip_reason is not None)
+
+
+def test_an_older_bare_digest_cursor_is_still_read():
+    from assets.sensors import parse_cursor
+
+    digest = "ab" * 32
+    assert parse_cursor(digest) == (None, digest)
+    assert parse_cursor(f"f{'0' * 16}:{digest}") == ("0" * 16, digest)
+    assert parse_cursor(None) == (None, None)
+
+
+def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme, monkeypatch):
     name, modules = scheme
     turns = modules["assets.ingest"].turns
     partitions = modules["assets.partitions"]
@@ -82,11 +103,22 @@ def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme):
         runs = [_users_of(r, instance, modules, pipeline) for r in first.run_requests]
         assert sorted(u for users in runs for u in users) == ["alice", "bob", "chen"]
         assert all(1 <= len(users) <= 2 for users in runs) and len(runs) == 2
-        assert len(first.cursor) == 64  # a digest, not per-user state
+        assert re.fullmatch(r"f[0-9a-f]{16}:[0-9a-f]{64}", first.cursor)  # a version and a digest, not per-user state
+        # nothing moved since: the tick reads no fingerprint (the table is still at the cursor's version)
+        with monkeypatch.context() as m:
+            m.setattr("qumem_pipeline.ingest.sync.stored_fingerprints", _must_not_read)
+            assert isinstance(tick(first.cursor), dg.SkipReason)
         for r in first.run_requests:
             execute(r)
 
-        assert isinstance(tick(first.cursor), dg.SkipReason)  # unchanged archive: nothing to do
+        with monkeypatch.context() as m:  # the runs synced nothing new: the same files, still no read
+            m.setattr("qumem_pipeline.ingest.sync.stored_fingerprints", _must_not_read)
+            assert isinstance(tick(first.cursor), dg.SkipReason)
+        # the table's files changed but not what they say (rows rewritten as they were): read, compared,
+        # nothing requested, and the cursor moves to the files now held
+        digest = first.cursor.split(":")[1]
+        moved = tick(f"f{'0' * 16}:{digest}")
+        assert _skipped(moved) and moved.cursor == first.cursor
 
         # bob changes, dan arrives: exactly those two, never alice or chen
         _archive(archive, dict(BASE, bob=BASE["bob"] + ["He is better now.", "Great."], dan=["New here.", "Welcome."]))
@@ -100,7 +132,7 @@ def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme):
         else:  # one run over buckets b001..b002 naming its two users
             assert runs == [["bob", "dan"]]
             assert third.run_requests[0].tags[RANGE_START] == "b001" and third.run_requests[0].tags[RANGE_END] == "b002"
-        assert len(third.cursor) == 64
+        assert re.fullmatch(r"f[0-9a-f]{16}:[0-9a-f]{64}", third.cursor) and third.cursor != first.cursor
         # re-evaluating before the runs land requests the same run keys (the daemon dedupes them)
         assert [r.run_key for r in tick(first.cursor).run_requests] == [r.run_key for r in third.run_requests]
         processed = 0

@@ -32,6 +32,7 @@ AZURE_*); on S3, delta-rs >= 1.0 commits with conditional puts, so no locking pr
 """
 
 import bisect
+import hashlib
 import json
 import os
 import random
@@ -308,6 +309,14 @@ class TableStore:
     def version(self, table: str) -> int | None:
         dt = self._open(table)
         return None if dt is None else dt.version()
+
+    def content_state(self, table: str) -> str | None:
+        """A digest of the table's data files: the same digest, the same rows. Unlike the version it
+        stays put across commits that change no rows (a lease's fence, an empty replace)."""
+        dt = self._open(table)
+        if dt is None:
+            return None
+        return hashlib.sha256("\n".join(sorted(dt.file_uris())).encode()).hexdigest()[:16]
 
     def _restore(self, dt: DeltaTable, df: pl.DataFrame) -> pl.DataFrame:
         hints = {c: _dtype_from_str(s) for c, s in self._meta(dt).get("dtypes", {}).items() if c in df.columns}
