@@ -310,6 +310,12 @@ class TableStore:
         dt = self._open(table)
         return None if dt is None else dt.version()
 
+    def identity(self, table: str) -> tuple[str, int] | None:
+        """(the table's id, its version): one state of one table, even across a root deleted and
+        created again at the same path (a new table gets a new id); None when it does not exist."""
+        dt = self._open(table)
+        return None if dt is None else (dt.metadata().id, dt.version())
+
     def content_state(self, table: str) -> str | None:
         """A digest of the table's data files: the same digest, the same rows. Unlike the version it
         stays put across commits that change no rows (a lease's fence, an empty replace)."""

@@ -77,6 +77,12 @@ def tombstone_keys(root: str) -> list[bytes]:
     return keys
 
 
+# (root, registry table id, its version) -> (forgotten, erased) digests by key id, parsed once per process
+_PARSED: dict[tuple[str, str, int], tuple[dict[str, set[str]], dict[str, set[str]]]] = {}
+_PARSED_LOCK = threading.Lock()
+_PARSED_MAX = 8
+
+
 class Tombstones:
     """Membership test against the registry as of its latest version (re-read only when it changed)."""
 
@@ -102,10 +108,17 @@ class Tombstones:
         return _key_id(key), hmac.new(key, user_id.encode("utf-8"), hashlib.sha256).hexdigest()
 
     def refresh(self) -> int | None:
-        """Bring the in-memory set to the registry's latest version; returns that version."""
+        """Bring the in-memory set to the registry's latest version; returns that version. A version
+        another handle of this process has read already is not read again (`_PARSED`): a step opens
+        several handles, and the registry grows with every forget ever made."""
         with self._lock:
-            version = self.store.version(REGISTRY_TABLE)
+            ident = self.store.identity(REGISTRY_TABLE)
+            version = None if ident is None else ident[1]
             if version == self._version:
+                return version
+            cached = _PARSED.get((self.store.root, *ident)) if ident is not None else None
+            if cached is not None:
+                self._forgotten, self._erased, self._version = *cached, version
                 return version
             df = self.store.read(REGISTRY_TABLE, [REGISTRY_KEY])
             forgotten: dict[str, set[str]] = {}
@@ -124,6 +137,11 @@ class Tombstones:
                     if action == ERASED:
                         erased.setdefault(kid, set()).add(dig)
             self._forgotten, self._erased, self._version = forgotten, erased, version
+            if ident is not None:  # a version's rows never change: its sets are shared, read-only
+                with _PARSED_LOCK:
+                    if len(_PARSED) >= _PARSED_MAX:
+                        _PARSED.pop(next(iter(_PARSED)))
+                    _PARSED[(self.store.root, *ident)] = (forgotten, erased)
             return version
 
     def __len__(self) -> int:
