@@ -91,9 +91,7 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
     unattributed = layout.count_user_rows("quarantine", UNATTRIBUTED)  # a count: no bad row's text is read
     run_turns = sum(s["turns"] for s in stats.values())
     run_q = sum(s["quarantined"] for s in stats.values())
-    # This run's users only (their buckets' files): a run reads nothing in proportion to the archive.
-    run_bad = layout.read_table("quarantine", users) if run_q else None
-    by_field = dict(sorted(run_bad.group_by("field").len().rows())) if run_bad is not None else {}
+    by_field = _quarantined_by_field(layout, users) if run_q else {}
     context.log.info(
         f"{len(users)} users: {run_turns} turns, {run_q} quarantined for these users (by field: {by_field}), "
         f"{unattributed} unattributed bad rows; {report.quarantined_read} rows quarantined in the files this sync read"
@@ -101,9 +99,9 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
     schema_ok = checks.schema_conforms(_turns_schema(layout), dict(TURN_POLARS_SCHEMA), "turns")
     ceiling = checks.quarantine_under_ceiling(run_turns, run_q, pipeline.max_quarantine_fraction)
     if not ceiling.passed:  # what the operator looks at: the run users' bad rows by field, and where they are
-        ceiling.metadata["quarantined_by_field"] = ", ".join(
-            f"{f} {n}" for f, n in sorted(by_field.items(), key=lambda kv: (-kv[1], kv[0])))
-        ceiling.metadata["quarantine_table"] = layout.table_dir("quarantine")
+        ceiling.metadata.update(quarantined_by_field=", ".join(
+            f"{f} {n}" for f, n in sorted(by_field.items(), key=lambda kv: (-kv[1], kv[0]))),
+            quarantine_table=layout.table_dir("quarantine"))
     # bucket scheme: what the planner compares with the archive (assets/partitions.py)
     record_materialized(context, pipeline, {u: recorded_form(s["fingerprint"]) for u, s in stats.items()})
     return dg.MaterializeResult(
@@ -127,6 +125,13 @@ def turns(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg.Mat
             **version_metadata("turns"),
         }
     )
+
+
+def _quarantined_by_field(layout, users: list[str]) -> dict[str, int]:
+    """The run's users' quarantined rows by field: their buckets' files only, nothing in proportion
+    to the archive (this used to read the whole quarantine table on every run)."""
+    bad = layout.read_table("quarantine", users)
+    return dict(sorted(bad.group_by("field").len().rows())) if bad is not None else {}
 
 
 def _turns_schema(layout) -> pl.DataFrame:
