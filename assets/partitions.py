@@ -193,7 +193,9 @@ def _planned_users(context: dg.AssetExecutionContext, keys: list[str]) -> list[s
         forgotten = pipeline.forgotten() if pipeline is not None and hasattr(pipeline, "forgotten") else None
         if users is None or not (forgotten is not None and len(forgotten)):
             # a forget (it erases the user from run_users too) is the one way a planned list empties
-            raise dg.Failure(f"run tag {RUN_USERS_TAG}={digest} names a user list the data root does not hold")
+            raise dg.Failure(f"run tag {RUN_USERS_TAG}={digest} names a user list the data root does not hold "
+                             "(table maintenance deletes lists older than its run_users_retention_days): "
+                             "plan a new run; the nightly tick plans every user still unmaterialized")
         return []
     return users
 

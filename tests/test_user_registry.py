@@ -111,3 +111,82 @@ def test_forget_erases_the_user_from_the_registry_and_run_lists(tmp_path):
     assert reg.run_users(digest, range(reg.n_buckets)) == [u for u in USERS[:100] if u != "user000042"]
     assert reg.register(["user000042"]) == ["user000042"]  # the store's commit guard drops it
     assert "user000042" not in reg.users()
+
+
+def _lists_planned_at(reg: UserRegistry, runs: list[list[str]], planned_at) -> list[str]:
+    """Append run lists as if planned at `planned_at` (store_run_users stamps now)."""
+    digests = [users_digest(r) for r in runs]
+    df = pl.DataFrame([(d, u) for d, r in zip(digests, runs) for u in r], schema={"digest": pl.String, "user_id": pl.String},
+                      orient="row").with_columns(planned_at=pl.lit(planned_at, pl.Datetime("us", "UTC")))
+    reg.store.append(RUN_USERS_TABLE, df)
+    return digests
+
+
+def test_old_run_lists_are_pruned_except_unfinished_ones(tmp_path):
+    from datetime import datetime, timedelta, timezone
+
+    reg = UserRegistry(str(tmp_path / "data"))
+    now = datetime.now(timezone.utc)
+    old = _lists_planned_at(reg, [USERS[:300], USERS[300:400], USERS[400:450]], now - timedelta(days=40))
+    (recent,) = reg.store_run_users([USERS[450:500]])
+    every = range(reg.n_buckets)
+    assert reg.prune_run_users(now - timedelta(days=30), keep={old[1]}) == 300 + 50
+    fresh = UserRegistry(str(tmp_path / "data"))
+    assert fresh.run_users(old[0], every) == [] and fresh.run_users(old[2], every) == []
+    assert fresh.run_users(old[1], every) == USERS[300:400]  # an unfinished run's list stays
+    assert fresh.run_users(recent, every) == USERS[450:500]
+    assert fresh.prune_run_users(now - timedelta(days=30)) == 100  # nothing kept now
+    assert fresh.run_users(recent, every) == USERS[450:500]
+
+
+def test_maintenance_job_prunes_run_lists_of_finished_runs_only(tmp_path, monkeypatch):
+    """The table maintenance job's prune: lists over the retention go, except the list of a run the
+    instance still has in progress; a run whose list was pruned fails naming its digest."""
+    import importlib
+    from datetime import datetime, timedelta, timezone
+
+    import dagster as dg
+
+    from assets.partitions import RUN_USERS_TAG
+
+    root = tmp_path / "data"
+    monkeypatch.setenv("QUMEM_DATA_ROOT", str(root))
+    reg = UserRegistry(str(root))
+    done, running = _lists_planned_at(reg, [USERS[:20], USERS[20:40]], datetime.now(timezone.utc) - timedelta(days=31))
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_run(dg.DagsterRun(job_name="main_job", run_id="a" * 36, tags={RUN_USERS_TAG: running},
+                                   status=dg.DagsterRunStatus.STARTED))
+    instance.add_run(dg.DagsterRun(job_name="main_job", run_id="b" * 36, tags={RUN_USERS_TAG: done},
+                                   status=dg.DagsterRunStatus.SUCCESS))
+    import assets.definitions as d
+
+    job = importlib.reload(d).build_definitions().resolve_job_def("table_maintenance_job")
+    r = job.execute_in_process(instance=instance)
+    assert r.success
+    (out,) = [e for e in r.events_for_node("maintain_tables_op") if e.is_successful_output]
+    assert out.step_output_data.metadata["run_users_pruned"].value == 20
+    every = range(reg.n_buckets)
+    fresh = UserRegistry(str(root))
+    assert fresh.run_users(done, every) == [] and fresh.run_users(running, every) == USERS[20:40]
+
+    # a run that still names the pruned list fails, naming it, instead of running for no user
+    from resources import PipelineConfig
+    from tests.schemes import partition_scheme
+
+    with partition_scheme("user_buckets") as mods:
+        p = mods["assets.partitions"]
+
+        @dg.asset(partitions_def=p.partitions_for("user_buckets"))
+        def probe(context: dg.AssetExecutionContext) -> list[str]:
+            return p.users_for_run(context)
+
+        pipeline = PipelineConfig(data_root=str(root), archive_path=str(tmp_path / "archive"))
+        key = p.partition_key_of(USERS[0])
+        kept = dg.materialize([probe], partition_key=p.partition_key_of(USERS[20]), instance=instance,
+                              resources={"pipeline": pipeline}, tags={RUN_USERS_TAG: running})
+        assert kept.output_for_node("probe") == sorted(u for u in USERS[20:40] if p.partition_key_of(u) == p.partition_key_of(USERS[20]))
+        gone = dg.materialize([probe], partition_key=key, instance=instance, resources={"pipeline": pipeline},
+                              tags={RUN_USERS_TAG: done}, raise_on_error=False)
+        assert not gone.success
+        (failure,) = [e for e in gone.all_events if e.is_step_failure]
+        assert done in failure.step_failure_data.error.message and "run_users_retention_days" in failure.step_failure_data.error.message

@@ -92,7 +92,8 @@ def is_uri(root: str | os.PathLike) -> bool:
     return "://" in str(root) and not str(root).startswith("file://")
 
 
-def _quote(s: str) -> str:
+def sql_literal(s: str) -> str:
+    """A string as a SQL literal of a Delta predicate."""
     return "'" + s.replace("'", "''") + "'"
 
 
@@ -395,6 +396,29 @@ class TableStore:
                     return 0
         return 0  # pragma: no cover
 
+    def delete_where(self, table: str, predicate: str, *, operation: str) -> int:
+        """Delete the rows matching a SQL `predicate` over data columns, in one commit (retried on
+        conflicts): housekeeping that is not about users (run_users' retention). Returns rows deleted.
+        A failed attempt's rewritten files may hold a user erased meanwhile: removed as in `delete`."""
+        dt = self._open(table)
+        if dt is None:
+            return 0
+        for attempt in range(COMMIT_RETRIES):
+            try:
+                commit = self._commit_properties(dt, {"qumem.operation": operation})
+                res = dt.delete(predicate, writer_properties=_WRITER, commit_properties=commit)
+                return int(res.get("num_deleted_rows", 0) or 0)
+            except (CommitFailedError, DeltaError, OSError) as exc:
+                self._remove_dead_in_buckets(table, range(int(self._meta(dt)["user_buckets"])))
+                if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
+                    raise
+                _backoff(attempt)
+                self._tables.pop(table, None)
+                dt = self._open(table)
+                if dt is None:
+                    return 0
+        return 0  # pragma: no cover
+
     def remove_dead_files(self, table: str, users: Iterable[str]) -> list[str]:
         """In the buckets of `users`: files the latest version does not reference that hold a row of
         any erased user (forgotten, and their forget's delete committed in every table).
@@ -412,9 +436,12 @@ class TableStore:
         if dt is None:
             return []
         n = int(self._meta(dt)["user_buckets"])
+        return self._remove_dead_in_buckets(table, {user_bucket(u, n) for u in users})
+
+    def _remove_dead_in_buckets(self, table: str, buckets: Iterable[int]) -> list[str]:
         fs, base = self.filesystem()
         gone = []
-        for b in sorted({user_bucket(u, n) for u in users}):
+        for b in sorted(set(buckets)):
             gone += self._remove_dead_in(table, fs, base, f"{base}/{table}/{BUCKET}={b}")
         return gone
 
@@ -480,7 +507,7 @@ class TableStore:
     def _predicate(self, users: list[str], n: int) -> str:
         buckets = sorted({user_bucket(u, n) for u in users})
         return (f"{BUCKET} IN ({', '.join(map(str, buckets))}) AND "
-                f"{KEY} IN ({', '.join(_quote(u) for u in sorted(users))})")
+                f"{KEY} IN ({', '.join(sql_literal(u) for u in sorted(users))})")
 
     def _write(self, table: str, users: list[str], frames: list[pl.DataFrame], empty: list[str],
                template: pl.DataFrame, operation: str, guarded: bool = True) -> int:

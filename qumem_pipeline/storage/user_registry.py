@@ -29,7 +29,7 @@ import polars as pl
 import pyarrow.dataset as pads
 
 from qumem_pipeline.contracts.buckets import user_bucket
-from qumem_pipeline.storage.table_store import BUCKET, KEY, PLACEHOLDER, TableStore
+from qumem_pipeline.storage.table_store import BUCKET, KEY, PLACEHOLDER, TableStore, sql_literal
 
 REGISTRY_TABLE = "user_registry"
 RUN_USERS_TABLE = "run_users"
@@ -164,6 +164,22 @@ class UserRegistry:
         if df is None:
             return None
         return sorted(set(df.filter(~pl.col(PLACEHOLDER))["user_id"].to_list()))
+
+    def prune_run_users(self, planned_before: datetime, keep: Iterable[str] = ()) -> int:
+        """Delete the user lists planned before `planned_before`, except the digests in `keep` (those
+        of runs not finished yet): the table otherwise grows by every plan's users for ever, and
+        every bucket read and every forget walks it. A run whose list was pruned fails naming its
+        digest (assets/partitions.py); the users it had left are planned again by the next tick,
+        whose comparison is with the registry's materialized fingerprints, not with old lists.
+        Returns rows deleted."""
+        if not self.store.exists(RUN_USERS_TABLE):
+            return 0
+        cutoff = planned_before.astimezone(timezone.utc).isoformat()
+        predicate = f"planned_at < '{cutoff}'"
+        kept = sorted(set(keep))
+        if kept:
+            predicate += f" AND digest NOT IN ({', '.join(sql_literal(d) for d in kept)})"
+        return self.store.delete_where(RUN_USERS_TABLE, predicate, operation="prune-run-users")
 
     def buckets_of(self, users: Iterable[str]) -> set[int]:
         n = self.n_buckets
