@@ -37,12 +37,14 @@ def warehouse(context: dg.AssetExecutionContext, pipeline: PipelineConfig) -> dg
     wh = pipeline.warehouse()
     with ProgressLogger(context.log, f"warehouse tables loaded ({len(users)} users)") as progress:
         loaded = wh.load_users(pipeline.layout(), users, WAREHOUSE_TABLES, progress=progress)
-    # Unattributed quarantine rows belong to no user partition but must be visible too.
-    wh.load_unattributed(pipeline.layout(), UNATTRIBUTED)
+    # Unattributed quarantine rows belong to no user partition but must be visible too (reloaded
+    # only when their Delta files changed since the last load).
+    unattributed = wh.load_unattributed(pipeline.layout(), UNATTRIBUTED)
     return dg.MaterializeResult(
         metadata={
             "users": len(users),
             "rows_for_run_users": dg.MetadataValue.json(loaded),
+            "unattributed_quarantine_rows": "unchanged" if unattributed is None else unattributed,
             "warehouse_path": str(wh.path),
             "seconds": round(time.perf_counter() - t0, 3),
             **version_metadata("warehouse"),

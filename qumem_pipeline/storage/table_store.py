@@ -325,6 +325,23 @@ class TableStore:
             return None
         return hashlib.sha256("\n".join(sorted(dt.file_uris())).encode()).hexdigest()[:16]
 
+    def user_state(self, table: str, user: str) -> str | None:
+        """A digest of the data files that may hold `user`'s rows (its bucket's files whose key range
+        covers it): the same digest, the same rows of that user, found from the log alone. None when
+        the table does not exist."""
+        dt = self._open(table)
+        if dt is None:
+            return None
+        acts = pl.DataFrame(dt.get_add_actions(flatten=True))
+        part, lo, hi = f"partition.{BUCKET}", f"min.{KEY}", f"max.{KEY}"
+        if acts.height:
+            acts = acts.filter(pl.col(part).cast(pl.Int64) == user_bucket(user, int(self._meta(dt)["user_buckets"])))
+            if lo in acts.columns and hi in acts.columns:
+                acts = acts.filter(pl.col(lo).is_null() | pl.col(hi).is_null()
+                                   | ((pl.col(lo) <= user) & (pl.col(hi) >= user)))
+        paths = sorted(acts["path"].to_list()) if acts.height else []
+        return hashlib.sha256("\n".join([dt.metadata().id, *paths]).encode()).hexdigest()[:16]
+
     def _restore(self, dt: DeltaTable, df: pl.DataFrame) -> pl.DataFrame:
         hints = {c: _dtype_from_str(s) for c, s in self._meta(dt).get("dtypes", {}).items() if c in df.columns}
         return df.cast(hints) if hints else df

@@ -33,6 +33,11 @@ LOCK_TIMEOUT_S = float(os.environ.get("QUMEM_WAREHOUSE_LOCK_TIMEOUT", "600"))
 _held = threading.local()  # lock files this thread holds: nested connects (delete -> compact) re-enter
 
 
+# Where the warehouse keeps what it loaded last from sources outside any user's partition; a schema of
+# its own, so nothing that lists the `main` tables (exports, counts, forget's delete) sees it.
+_META_SCHEMA_SQL = "CREATE SCHEMA IF NOT EXISTS qumem_meta"
+_META_TABLE_SQL = "CREATE TABLE IF NOT EXISTS qumem_meta.loaded_sources (source VARCHAR PRIMARY KEY, state VARCHAR)"
+
 class WarehouseBusy(TimeoutError):
     """Another process held the warehouse lock for longer than the timeout."""
 
@@ -165,19 +170,40 @@ class Warehouse:
                 progress(len(names), len(names))
         return loaded
 
-    def load_unattributed(self, layout: DataLayout, key: str) -> int:
-        """Mirror quarantined rows that have no valid user id (their own partition) into `quarantine`."""
-        df = layout.read_user_table("quarantine", key)
-        if df is None:
-            return 0
+    def load_unattributed(self, layout: DataLayout, key: str) -> int | None:
+        """Mirror quarantined rows that have no valid user id (their own partition) into `quarantine`.
+        Every warehouse step calls this, and a reload deletes with a pattern match over the whole
+        `quarantine` table, so it is skipped (None) while the Delta files that may hold those rows are
+        the ones last loaded (their digest, kept in `qumem_meta.loaded_sources` beside the tables)."""
+        state = layout.store.user_state("quarantine", key)
+        source = f"quarantine/{key}"
         with self.connect() as con:
+            if state is not None and self._loaded_state(con, source) == state:
+                return None
+            df = layout.read_user_table("quarantine", key)
+            if df is None:
+                return 0
             self._replace(con, "quarantine", df,
                           "user_id IS NULL OR NOT regexp_full_match(user_id, ?) OR contains(user_id, '..')",
-                          [USER_ID_PATTERN.pattern], self._has_table(con, "quarantine"))
+                          [USER_ID_PATTERN.pattern], self._has_table(con, "quarantine"),
+                          after=[(_META_SCHEMA_SQL, []), (_META_TABLE_SQL, []),
+                                 ("INSERT OR REPLACE INTO qumem_meta.loaded_sources VALUES (?, ?)", [source, state])])
         return df.height
 
-    def _replace(self, con, table: str, df, where: str, params: list, exists: bool) -> None:
-        """In one DuckDB transaction: delete the rows matching `where`, insert `df` (new columns added)."""
+    @staticmethod
+    def _loaded_state(con, source: str) -> str | None:
+        """The state last loaded from `source` (None: never, or a warehouse without the meta table:
+        `compact` copies the `main` tables only, so a compacted warehouse reloads once)."""
+        if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = 'qumem_meta' "
+                           "AND table_name = 'loaded_sources'").fetchone()[0]:
+            return None
+        row = con.execute("SELECT state FROM qumem_meta.loaded_sources WHERE source = ?", [source]).fetchone()
+        return None if row is None else row[0]
+
+    def _replace(self, con, table: str, df, where: str, params: list, exists: bool,
+                 after: list[tuple[str, list]] = ()) -> None:
+        """In one DuckDB transaction: delete the rows matching `where`, insert `df` (new columns added),
+        then the statements `after`."""
         con.execute("BEGIN TRANSACTION")
         try:
             if df is not None:
@@ -188,6 +214,8 @@ class Warehouse:
             if df is not None:
                 self._add_missing_columns(con, table)
                 con.execute(f'INSERT INTO "{table}" BY NAME SELECT * FROM incoming')
+            for sql, args in after:
+                con.execute(sql, args)
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
