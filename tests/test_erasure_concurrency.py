@@ -189,6 +189,23 @@ def test_a_forget_that_cannot_reach_a_warehouse_fails_and_its_rerun_completes(tm
     assert b"secret-alice" not in wh_path.read_bytes()
 
 
+def test_a_forget_in_another_pod_on_the_same_volume_completes(tmp_path, monkeypatch):
+    """Kubernetes: every step is a pod with a hostname of its own; pods mounting the warehouse volume
+    share QUMEM_WAREHOUSE_HOST (deploy/k8s), so the forget's pod finds the loads' warehouse "here"."""
+    from qumem_pipeline.storage.layout import DataLayout
+
+    root, wh_path = tmp_path / "data", tmp_path / "volume" / "warehouse.duckdb"
+    TableStore(root).replace("turns", _rows(["alice", "bob"]))
+    monkeypatch.setenv("QUMEM_WAREHOUSE_HOST", "pvc/qumem-warehouse")
+    for pod in ("run-1-warehouse-x7k2p", "run-2-warehouse-q9z4m"):
+        monkeypatch.setenv("QUMEM_HOST_ID", pod)
+        Warehouse(wh_path).load_users(DataLayout(root), ["alice", "bob"], ["turns"])
+    monkeypatch.setenv("QUMEM_HOST_ID", "forget-a1b2c")
+    report = forget_user(root, wh_path, "alice")
+    assert report["warehouse_rows_deleted"][str(wh_path.absolute())]["turns"] == 2
+    assert Warehouse(wh_path).users("turns") == ["bob"] and b"secret-alice" not in wh_path.read_bytes()
+
+
 def test_a_warehouse_load_after_the_forget_drops_the_user(tmp_path):
     """The load reads the registry under the warehouse lock that the forget's delete takes."""
     from qumem_pipeline.storage.layout import DataLayout

@@ -90,10 +90,14 @@ def test_every_step_pod_of_the_main_job(k8s):
             assert claims["warehouse"] == "qumem-warehouse"
             assert cm["data"]["QUMEM_WAREHOUSE"].startswith(mounts["warehouse"]["mountPath"] + "/")
             assert graph.get(dg.AssetKey("warehouse")).pools == {"warehouse"}
+            assert env["QUMEM_WAREHOUSE_HOST"] == "pvc/qumem-warehouse"
         else:
             assert "warehouse" not in mounts and "warehouse" not in claims, op
+            assert "QUMEM_WAREHOUSE_HOST" not in env, op
     forget = k8s.step_job_manifests("forget_user_job")["forget_user_op"]  # the other warehouse writer
     assert "warehouse" in {m["name"] for m in _container(forget)["volumeMounts"]}
+    # the forget's pod names the volume as the loads' pods did, so it deletes there itself
+    assert {e["name"]: e.get("value") for e in _container(forget)["env"]}["QUMEM_WAREHOUSE_HOST"] == "pvc/qumem-warehouse"
 
 
 def test_the_warehouse_writer_is_serialized_across_runs():

@@ -59,6 +59,9 @@ GPU_STEP = {
 WAREHOUSE_STEP = {
     "container_config": {
         "volume_mounts": [{"name": "warehouse", "mount_path": WAREHOUSE_MOUNT}],
+        # one name for the volume in every pod that mounts it: a forget in its own pod must find the
+        # warehouse every load recorded "here" (storage/warehouse_locations.py), not on another host
+        "env": [{"name": "QUMEM_WAREHOUSE_HOST", "value": f"pvc/{WAREHOUSE_CLAIM}"}],
     },
     "pod_spec_config": {
         "volumes": [{"name": "warehouse", "persistent_volume_claim": {"claim_name": WAREHOUSE_CLAIM}}],

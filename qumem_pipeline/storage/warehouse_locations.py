@@ -14,8 +14,15 @@ from qumem_pipeline.storage.table_store import TableStore
 WAREHOUSE_LOCATIONS = "warehouse_locations"
 
 
+WAREHOUSE_HOST_ENV = "QUMEM_WAREHOUSE_HOST"
+
+
 def _host() -> str:
-    return os.environ.get("QUMEM_HOST_ID") or socket.gethostname()
+    """Where a warehouse path is reachable: `QUMEM_WAREHOUSE_HOST`, a name for the filesystem it lives
+    on (every pod mounting one volume names it alike: on Kubernetes each step is a pod of its own,
+    and a hostname per pod made every forget find the warehouse "on another host"), else
+    `QUMEM_HOST_ID`, else the hostname."""
+    return os.environ.get(WAREHOUSE_HOST_ENV) or os.environ.get("QUMEM_HOST_ID") or socket.gethostname()
 
 
 def record_warehouse(store: TableStore, path: str | os.PathLike) -> None:
