@@ -310,3 +310,33 @@ def test_a_forget_whose_old_checkpoint_another_forget_removed_first_still_lands(
     log = [i for i in fs.get_file_info(pafs.FileSelector(f"{base}/turns/_delta_log")) if i.type == pafs.FileType.File]
     assert not any("alice" in fs.open_input_stream(i.path).read().decode("utf-8", "replace") for i in log
                    if i.base_name.endswith(".json"))
+
+
+def test_a_sync_that_waited_for_the_lock_through_a_forget_keeps_the_forgotten_file_keyed(tmp_path):
+    """The ingest step builds its forget registry, then waits for the ingest lock while a forget erases
+    a user and keys their archive file in the manifest: the sync reads the registry again once it
+    holds the lock, so it neither reads that file back nor lists it under its plain path."""
+    import json
+
+    from qumem_pipeline.ingest.archive import ArchiveConfig
+    from qumem_pipeline.ingest.manifest import read_manifest
+    from qumem_pipeline.ingest.sync import key_forgotten_files, sync_archive
+    from qumem_pipeline.storage.forget import ForgetRegistry
+    from qumem_pipeline.storage.layout import DataLayout
+
+    root, archive = tmp_path / "data", tmp_path / "archive"
+    archive.mkdir()
+    for u in ("alice", "bob"):
+        (archive / f"{u}.jsonl").write_text("".join(json.dumps({
+            "user_id": u, "conversation_id": "c", "session_id": "s", "turn_index": i, "role": "user", "speaker": u,
+            "text": f"secret-{u}-{i}", "timestamp": f"2024-01-01T00:0{i}:00Z", "source_ref": f"r{i}"}) + "\n" for i in range(3)))
+    cfg, layout = ArchiveConfig(path=str(archive)), DataLayout(root)
+    sync_archive(cfg, layout, forgotten=ForgetRegistry(root))
+    read_before_the_lock = ForgetRegistry(root)  # the nightly step's registry, then it waits for the lock
+    forget_user(root, None, "alice")
+    key_forgotten_files(layout)  # the forget's step: alice's file is named by a keyed digest only
+    r = sync_archive(cfg, layout, forgotten=read_before_the_lock)
+    assert r.files_read == 0 and r.users_rebuilt == 0
+    listed = set(read_manifest(layout))
+    assert "bob.jsonl" in listed and "alice.jsonl" not in listed
+    assert layout.store.users_in("turns") == ["bob"]

@@ -162,6 +162,10 @@ def sync_archive(
     before it stay, and the files stay pending, so the next sync redoes them."""
     t0 = time.perf_counter()
     with _exclusive(layout) as lease:
+        # the registry as of now, not as of when the caller built it: a forget that keyed its files
+        # while this sync waited for the lock must not be undone by a plan made on the older read
+        if getattr(forgotten, "tombstones", None) is not None:
+            forgotten.tombstones.refresh()
         version = ingest_version(cfg)
         plan = plan_files(list_archive(cfg.path, cfg.format), read_manifest(layout), version, keyed=_file_keyer(forgotten))
         report = SyncReport(new=[f.file_id for f in plan.new], changed=[f.file_id for f in plan.changed],

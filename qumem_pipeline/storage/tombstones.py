@@ -33,7 +33,12 @@ REGISTRY_KEY = "_registry"  # the registry is one partition key, not a user
 KEY_ENV, OLD_KEYS_ENV = "QUMEM_TOMBSTONE_KEY", "QUMEM_TOMBSTONE_OLD_KEYS"
 LEGACY_KEY_ID = ""  # rows written before keyed tombstones: sha256(user_id)
 FORGET, ERASED, READMIT = "forget", "erased", "readmit"
-SCHEMA = {"digest": pl.String, "key_id": pl.String, "action": pl.String, "at": pl.Datetime("us", "UTC")}
+# `seq`: the registry version the appender saw, plus one. A user's latest event is the one with the
+# highest `seq` (then `at`): an event appended after another was seen is ordered after it whatever the
+# hosts' clocks say (a forget on a host whose clock is behind the one that readmitted the user must
+# still win); only events appended concurrently share a `seq`. Rows from before it have none (first).
+SCHEMA = {"digest": pl.String, "key_id": pl.String, "action": pl.String, "at": pl.Datetime("us", "UTC"),
+          "seq": pl.Int64}
 
 
 class TombstoneKeyMissing(RuntimeError):
@@ -92,7 +97,7 @@ class Tombstones:
         self.store = store.plain_handle()
         self.store.n_buckets = None
         self._keys = keys
-        self._version: int | None = -2
+        self._ident: tuple[str, int] | None = ("", -1)  # (table id, version) of the sets held; none yet
         self._forgotten: dict[str, set[str]] = {}  # key id -> digests whose latest event is forget/erased
         self._erased: dict[str, set[str]] = {}  # key id -> digests whose latest event is erased
         self._lock = threading.Lock()
@@ -114,11 +119,11 @@ class Tombstones:
         with self._lock:
             ident = self.store.identity(REGISTRY_TABLE)
             version = None if ident is None else ident[1]
-            if version == self._version:
+            if ident == self._ident:  # the table's id too: a registry created again at the same path is new
                 return version
             cached = _PARSED.get((self.store.root, *ident)) if ident is not None else None
             if cached is not None:
-                self._forgotten, self._erased, self._version = *cached, version
+                self._forgotten, self._erased, self._ident = *cached, ident
                 return version
             df = self.store.read(REGISTRY_TABLE, [REGISTRY_KEY])
             forgotten: dict[str, set[str]] = {}
@@ -130,13 +135,13 @@ class Tombstones:
                         df = df.with_columns(pl.lit(None, t).alias(c))
                 df = df.with_columns(pl.col("key_id").fill_null(LEGACY_KEY_ID),
                                      pl.col("action").fill_null(FORGET)).with_row_index("_i")
-                latest = df.sort(["at", "_i"], nulls_last=False).group_by(["key_id", "digest"]).last()
+                latest = df.sort(["seq", "at", "_i"], nulls_last=False).group_by(["key_id", "digest"]).last()
                 for kid, dig, action in latest.select("key_id", "digest", "action").iter_rows():
                     if action in (FORGET, ERASED):
                         forgotten.setdefault(kid, set()).add(dig)
                     if action == ERASED:
                         erased.setdefault(kid, set()).add(dig)
-            self._forgotten, self._erased, self._version = forgotten, erased, version
+            self._forgotten, self._erased, self._ident = forgotten, erased, ident
             if ident is not None:  # a version's rows never change: its sets are shared, read-only
                 with _PARSED_LOCK:
                     if len(_PARSED) >= _PARSED_MAX:
@@ -184,8 +189,10 @@ class Tombstones:
         """Append one row per user (no read-modify-write: concurrent forgets all land)."""
         rows = []
         now = datetime.now(timezone.utc)
+        ident = self.store.identity(REGISTRY_TABLE)
+        seq = 0 if ident is None else ident[1] + 1  # after every event this host has seen (SCHEMA)
         for u in user_ids:
             kid, dig = self.digest(u)
-            rows.append({"digest": dig, "key_id": kid, "action": action, "at": now})
+            rows.append({"digest": dig, "key_id": kid, "action": action, "at": now, "seq": seq})
         df = pl.DataFrame(rows, schema=SCHEMA).with_columns(pl.lit(REGISTRY_KEY).alias("_owner"))
         self.store.append(REGISTRY_TABLE, df, key_column="_owner", guarded=False)
