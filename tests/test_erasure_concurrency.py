@@ -340,3 +340,46 @@ def test_a_sync_that_waited_for_the_lock_through_a_forget_keeps_the_forgotten_fi
     listed = set(read_manifest(layout))
     assert "bob.jsonl" in listed and "alice.jsonl" not in listed
     assert layout.store.users_in("turns") == ["bob"]
+
+
+def test_a_failed_write_removes_its_rewrite_of_a_user_erased_meanwhile(tmp_path):
+    """W replaces bob on a snapshot taken before alice's forget; its predicate overwrite rewrites the
+    bucket's one file, alice's rows in it. The forget erases alice while W writes; W's commit fails on
+    the erase epoch and W retries. The file its failed attempt wrote holds erased alice and nothing
+    references it: W removes it itself, before the forget's own clean-up runs (which, in the race this
+    stands for, listed the bucket before W's file landed)."""
+    import pyarrow.parquet as pq
+
+    from qumem_pipeline.storage.forget import scrub_log
+    from qumem_pipeline.storage.tombstones import ERASED
+
+    root = tmp_path / "data"
+    TableStore(root, n_buckets=1).replace("turns", _rows(["alice", "bob", "carol"]))  # one file: all three
+    gate, reached = threading.Event(), threading.Event()
+
+    class PausedWriter(TableStore):  # W, paused once after its snapshot and registry read
+        def _fast_write(self, *a, **k):
+            if not reached.is_set():
+                reached.set()
+                gate.wait(60)
+            return super()._fast_write(*a, **k)
+
+    w = PausedWriter(root, n_buckets=1)
+    th = threading.Thread(target=lambda: w.replace("turns", _rows(["bob"], tag="v2")))
+    th.start()
+    assert reached.wait(60)
+    f = TableStore(root)  # the forget of alice, step by step, up to its clean-up
+    f.tombstones().record(["alice"])
+    f.bump_erase_epoch("turns")
+    f.delete("turns", ["alice"])
+    scrub_log(f, "turns", ["alice"])
+    f.tombstones().record(["alice"], action=ERASED)
+    gate.set()  # W resumes: its rewrite holds alice; the forget's own clean-up comes later, or listed too early
+    th.join(120)
+    bucket = root / "turns" / "user_bucket=0"
+    referenced = {Path(p).name for p in TableStore(root).files("turns")}
+    left = {n.name: set(pq.read_table(n).column("user_key").to_pylist()) for n in bucket.glob("*.parquet")
+            if n.name not in referenced}
+    assert not [n for n, keys in left.items() if "alice" in keys], left
+    assert TableStore(root).users_in("turns") == ["bob", "carol"]
+    assert audit_data_root(str(root), None, ["secret-alice"])["hits"] == []

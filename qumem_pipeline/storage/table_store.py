@@ -529,11 +529,16 @@ class TableStore:
     def _write(self, table: str, users: list[str], frames: list[pl.DataFrame], empty: list[str],
                template: pl.DataFrame, operation: str, guarded: bool = True) -> int:
         for attempt in range(COMMIT_RETRIES):
+            seen = self.tombstones().refresh() if guarded else None
             try:
                 return self._write_once(table, users, frames, empty, template, operation, guarded)
             except (CommitFailedError, DeltaError, OSError) as exc:
-                if guarded and self.tombstones().forgotten_among(users):
-                    self.remove_dead_files(table, users)  # this attempt's files of a user forgotten meanwhile
+                # This attempt's files may hold a user forgotten meanwhile: one of its own, or another
+                # user of a file its predicate overwrite rewrote. Cleaned up when anyone was forgotten
+                # or erased during the attempt (the registry moved): the forget's own clean-up may have
+                # listed the bucket before these files landed.
+                if guarded and (self.tombstones().refresh() != seen or self.tombstones().forgotten_among(users, refresh=False)):
+                    self.remove_dead_files(table, users)
                 if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
                     raise
                 _backoff(attempt)
