@@ -383,3 +383,42 @@ def test_a_failed_write_removes_its_rewrite_of_a_user_erased_meanwhile(tmp_path)
     assert not [n for n, keys in left.items() if "alice" in keys], left
     assert TableStore(root).users_in("turns") == ["bob", "carol"]
     assert audit_data_root(str(root), None, ["secret-alice"])["hits"] == []
+
+
+def test_a_killed_syncs_spill_files_are_removed_by_the_forget(tmp_path, monkeypatch):
+    """A sync killed after it spilled leaves users' raw turns in its scratch directory on this host;
+    the forget's manifest step takes the same host's ingest lock and removes them (so does the next
+    sync), so the forgotten user's text is left in no scratch file."""
+    import json
+    import tempfile
+
+    from qumem_pipeline.ingest.sync import key_forgotten_files
+    from qumem_pipeline.storage.layout import DataLayout
+
+    root, archive, tmpdir = tmp_path / "data", tmp_path / "archive", tmp_path / "tmpdir"
+    archive.mkdir()
+    tmpdir.mkdir()
+    (archive / "alice.jsonl").write_text("".join(json.dumps({
+        "user_id": "alice", "conversation_id": "c1", "session_id": "s1", "turn_index": i, "role": "user",
+        "speaker": "Alice", "text": f"secret-alice-{i}", "timestamp": f"2024-01-01T00:{i:02d}:00Z",
+        "source_ref": f"r{i}"}) + "\n" for i in range(50)))
+    child = (
+        "import os\n"
+        "from qumem_pipeline.ingest.archive import ArchiveConfig\n"
+        "from qumem_pipeline.ingest.sync import sync_archive\n"
+        "from qumem_pipeline.storage.layout import DataLayout\n"
+        "def killed(turns, quarantine): os._exit(9)  # killed after the spill, before any commit\n"
+        f"sync_archive(ArchiveConfig(path={str(archive)!r}), DataLayout({str(root)!r}), memory_bytes=1, before_commit=killed)\n")
+    rc = subprocess.run([sys.executable, "-c", child], env=_env(TMPDIR=str(tmpdir))).returncode
+    assert rc == 9
+
+    def holding(needle: bytes) -> list[Path]:
+        return [p for p in tmpdir.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+    assert holding(b"secret-alice-"), "the killed sync spilled nothing: the test would prove nothing"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    layout = DataLayout(root)
+    layout.store.replace("turns", _rows(["alice"]))  # what an earlier sync had written of her
+    forget_user(root, None, "alice")
+    key_forgotten_files(layout)  # the forget job's manifest step, under this host's ingest lock
+    assert holding(b"secret-alice-") == []

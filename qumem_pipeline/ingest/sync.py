@@ -182,15 +182,24 @@ def sync_archive(
     return report
 
 
+def _host_path(layout, suffix: str) -> Path:
+    """This host's lock file (".lock") or scratch parent (".scratch") of the layout's data root."""
+    key = hashlib.sha256(str(getattr(layout, "root", id(layout))).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"qumem-ingest-{key}{suffix}"
+
+
 @contextmanager
 def _exclusive(layout):
     """One sync at a time per data root (two would rebuild the same users): a file lock among this
     machine's processes, then the root's ingest lease among hosts (storage/lease.py) when the
     layout is the table store, its fence on the store's commits while held. Yields the lease
     (None without a store): check it before writes."""
-    key = hashlib.sha256(str(getattr(layout, "root", id(layout))).encode()).hexdigest()[:16]
-    with open(Path(tempfile.gettempdir()) / f"qumem-ingest-{key}.lock", "w") as lock:
+    with open(_host_path(layout, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # A sync killed on this host left its spill files (users' raw turns) here; under the lock no
+        # sync of this root runs on this host, so whatever is left is dead: removed by the next sync
+        # or forget (key_forgotten_files) that takes the lock here.
+        shutil.rmtree(_host_path(layout, ".scratch"), ignore_errors=True)
         store = getattr(layout, "store", None)
         if store is None:
             yield None
@@ -229,7 +238,9 @@ class _Sync:
         self._bucket_of: dict[str, int] = {}
         # Pending first: a run killed from here on is redone by the next (see module doc).
         _write_manifest(self.layout, self.plan, {}, self.version, pending=True)
-        scratch = Path(tempfile.mkdtemp(prefix="qumem-ingest-"))
+        parent = _host_path(self.layout, ".scratch")
+        parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix="sync-", dir=parent))
         self._writer, self._pending_write = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qumem-ingest-write"), None
         self._store_lock = threading.Lock()
         try:
