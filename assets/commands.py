@@ -374,8 +374,10 @@ def audit_erasure(instance, defs, user_id: str, canaries: list[str]) -> dict:
     """`qumem forget --verify`: the data root's objects, every warehouse, the instance's tables and files."""
     from assets.erasure import scan_home_files, scan_instance
     from qumem_pipeline.storage.audit import audit_data_root, audit_warehouse
+    from qumem_pipeline.storage.audit import audit_export
     from qumem_pipeline.storage.forget import warehouse_locations
     from qumem_pipeline.storage.table_store import TableStore
+    from qumem_pipeline.storage.warehouse_locations import export_locations
 
     pipeline = defs.resources["pipeline"]
     store = TableStore(pipeline.data_root)
@@ -385,10 +387,12 @@ def audit_erasure(instance, defs, user_id: str, canaries: list[str]) -> dict:
         "user_id": user_id,
         "data_root": audit_data_root(pipeline.data_root, user_id, canaries),
         "warehouses": [audit_warehouse(p, user_id, canaries) for p in sorted(paths)],
+        "exports": [audit_export(p, user_id, canaries) for p in sorted({p for _, p in export_locations(store)})],
         "instance_tables": scan_instance(instance, needles),
         "instance_files": scan_home_files(needles),
     }
     report["found"] = bool(report["data_root"]["hits"] or any(w["hits"] for w in report["warehouses"])
+                           or any(e["hits"] for e in report["exports"])
                            or report["instance_tables"] or report["instance_files"])
     return report
 
@@ -396,7 +400,9 @@ def audit_erasure(instance, defs, user_id: str, canaries: list[str]) -> dict:
 def cmd_export(args: argparse.Namespace) -> int:
     defs = _defs()
     out = Path(args.out).resolve()
-    written = defs.resources["pipeline"].warehouse().export_parquet(out)
+    pipeline = defs.resources["pipeline"]
+    # recorded in the data root first: a later `qumem forget` rewrites these files too
+    written = pipeline.warehouse().export_parquet(out, store=pipeline.layout().store)
     for t, p in written.items():
         print(f"{t:<24}{p}")
     if args.json:

@@ -422,3 +422,30 @@ def test_a_killed_syncs_spill_files_are_removed_by_the_forget(tmp_path, monkeypa
     forget_user(root, None, "alice")
     key_forgotten_files(layout)  # the forget job's manifest step, under this host's ingest lock
     assert holding(b"secret-alice-") == []
+
+
+def test_a_forget_rewrites_the_parquet_exports_made_before_it(tmp_path, monkeypatch):
+    """`qumem export` copies the warehouse's tables out of the data root; the folder is recorded first,
+    so the forget rewrites each file that holds the user without their rows, and the audit reads it."""
+    from qumem_pipeline.storage.audit import audit_export
+    from qumem_pipeline.storage.layout import DataLayout
+
+    root, wh_path, out = tmp_path / "data", tmp_path / "warehouse.duckdb", tmp_path / "exports" / "nightly"
+    monkeypatch.setenv("QUMEM_HOST_ID", "here")
+    layout = DataLayout(root)
+    layout.store.replace("turns", _rows(["alice", "bob"]))
+    wh = Warehouse(wh_path)
+    wh.load_users(layout, ["alice", "bob"], ["turns"])
+    written = wh.export_parquet(out, store=layout.store)
+    assert audit_export(str(out), "alice", ["secret-alice"])["hits"]  # the audit sees the copy
+    report = forget_user(root, wh_path, "alice")
+    assert report["export_rows_deleted"] == {str(out.absolute()): {"turns.parquet": 2}}
+    assert audit_export(str(out), "alice", ["secret-alice"])["hits"] == []
+    assert sorted(pl.read_parquet(written["turns"])["user_id"].unique().to_list()) == ["bob"]
+    assert forget_user(root, wh_path, "alice")["export_rows_deleted"] == {str(out.absolute()): {}}  # a rerun: nothing left
+    # a folder on a host this one cannot reach fails the forget, as a warehouse there does
+    monkeypatch.setenv("QUMEM_HOST_ID", "export-host")
+    wh.export_parquet(tmp_path / "exports" / "elsewhere", store=layout.store)
+    monkeypatch.setenv("QUMEM_HOST_ID", "here")
+    with pytest.raises(StoreUnreachable, match="export folder.*export-host"):
+        forget_user(root, wh_path, "bob")

@@ -4,7 +4,8 @@ The evidence an operator keeps for an erasure request (`qumem forget --verify US
 files (data and checkpoints) are decoded and every string value searched, because their pages are
 compressed; every other object (commit JSON, keys, manifests) is searched byte for byte. The user
 id counts as found only as a whole token (so `al` is not found inside `alice`); canaries as
-substrings. Warehouses: every text column of every table, plus the file's raw bytes.
+substrings. Warehouses: every text column of every table, plus the file's raw bytes. Export
+folders (`qumem export`): every file, as the data root's objects.
 """
 
 import re
@@ -99,4 +100,24 @@ def audit_warehouse(path: str, user_id: str | None, canaries: list[str]) -> dict
     raw = p.read_bytes().decode("latin-1")
     for f in _found(raw, user_id, canaries):
         hits.append({"table": None, "column": "<file bytes>", "found": f})
+    return {"path": path, "exists": True, "hits": hits}
+
+
+def audit_export(path: str, user_id: str | None, canaries: list[str]) -> dict:
+    """Every file of an export folder, Parquet decoded, the rest byte for byte (as `audit_data_root`)."""
+    p = Path(path)
+    if not p.exists():
+        return {"path": path, "exists": False, "hits": []}
+    fs = pafs.LocalFileSystem()
+    hits = []
+    for f in sorted(x for x in p.rglob("*") if x.is_file()):
+        found = []
+        if f.name.endswith(".parquet"):
+            try:
+                found = _found(_parquet_text(fs, str(f)), user_id, canaries)
+            except Exception:  # noqa: BLE001 - not a readable Parquet file: search its bytes
+                found = []
+        found = sorted(set(found + _found(f.read_bytes().decode("latin-1"), user_id, canaries)))
+        if found:
+            hits.append({"object": str(f.relative_to(p)), "found": found})
     return {"path": path, "exists": True, "hits": hits}

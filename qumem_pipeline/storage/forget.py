@@ -15,7 +15,10 @@ concurrency"):
    deleted, so a writer's conflict check always finds the commits it must read;
 5. every warehouse the data root has ever loaded (recorded in the `warehouse_locations` table) has
    the user deleted and its file rewritten; one this host cannot reach fails the forget (rerun it
-   where it can: every step is idempotent).
+   where it can: every step is idempotent);
+6. every Parquet export made from a warehouse (`qumem export`, recorded in `export_locations`
+   before its first file) has its files holding the user rewritten without their rows; likewise
+   one this host cannot reach fails the forget.
 The Dagster instance is scrubbed by the Dagster layer (`assets/forget.py`).
 """
 
@@ -31,8 +34,8 @@ import pyarrow.fs as pafs
 from qumem_pipeline.contracts.ids import validate_user_id
 from qumem_pipeline.storage.table_store import TableStore, _log_moved, is_uri
 from qumem_pipeline.storage.tombstones import ERASED, READMIT, REGISTRY_TABLE, Tombstones
-from qumem_pipeline.storage.warehouse_locations import (WAREHOUSE_LOCATIONS, _host, record_warehouse,
-                                                         warehouse_locations)
+from qumem_pipeline.storage.warehouse_locations import (EXPORT_LOCATIONS, WAREHOUSE_LOCATIONS, _host,
+                                                         export_locations, record_warehouse, warehouse_locations)
 
 LEGACY_REGISTRY = Path("_meta") / "forgotten.json"  # before the table store (storage/migrate.py)
 
@@ -173,7 +176,7 @@ def erase_from_tables(store: TableStore, user_id: str) -> dict:
     delete of the user has committed, such a file may be a concurrent commit's, not yet in the log
     (tests/test_erasure_concurrency.py, `test_a_cleanup_leaves_a_file_an_unfinished_forget_may_commit`)."""
     report = {"tables": [], "rows_deleted": {}, "files_removed": {}, "log_files_rewritten": {}}
-    tables = [t for t in store.tables() if t not in (REGISTRY_TABLE, WAREHOUSE_LOCATIONS)]
+    tables = [t for t in store.tables() if t not in (REGISTRY_TABLE, WAREHOUSE_LOCATIONS, EXPORT_LOCATIONS)]
     for t in tables:
         store.n_buckets = None  # erase from every table, whatever bucket count it was made with
         store.bump_erase_epoch(t)
@@ -209,6 +212,40 @@ def erase_from_warehouses(store: TableStore, configured: str | os.PathLike | Non
     return out
 
 
+def erase_from_exports(store: TableStore, user_id: str) -> dict:
+    """Rewrite every Parquet file of every recorded export folder that holds the user, without their
+    rows (written beside, then swapped in: the old file's bytes go with it). Run after the warehouses:
+    an export made since reads a warehouse the user is gone from."""
+    import duckdb
+
+    out, unreachable = {}, []
+    for host, path in sorted(export_locations(store)):
+        if host != _host():
+            unreachable.append(f"{path} on host {host}")
+            continue
+        rewritten = {}
+        for f in sorted(Path(path).glob("*.parquet")):
+            src = str(f).replace("'", "''")
+            with duckdb.connect() as con:
+                cols = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_parquet('{src}')").fetchall()}
+                if "user_id" not in cols:
+                    continue
+                n = con.execute(f"SELECT count(*) FROM read_parquet('{src}') WHERE user_id = ?", [user_id]).fetchone()[0]
+                if not n:
+                    continue
+                tmp = f.with_name(f".forget-{f.name}")
+                con.execute(f"COPY (SELECT * FROM read_parquet('{src}') WHERE user_id IS DISTINCT FROM ?) "
+                            f"TO '{str(tmp).replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)", [user_id])
+            os.replace(tmp, f)
+            rewritten[f.name] = n
+        out[path] = rewritten
+    if unreachable:
+        raise StoreUnreachable(
+            "forget is not complete: export folder(s) " + "; ".join(unreachable) + f" cannot be reached from {_host()}. "
+            "The tables and warehouses are erased; rerun the same forget on that host to finish")
+    return out
+
+
 def forget_user(data_root: str | os.PathLike, warehouse_path: str | os.PathLike | None, user_id: str) -> dict:
     """Delete every trace of `user_id` under the data root and in every warehouse; keep the tombstone."""
     validate_user_id(user_id)
@@ -219,5 +256,6 @@ def forget_user(data_root: str | os.PathLike, warehouse_path: str | os.PathLike 
         tombs.record([user_id])
     report = erase_from_tables(store, user_id)
     report["warehouse_rows_deleted"] = erase_from_warehouses(store, warehouse_path, user_id)
+    report["export_rows_deleted"] = erase_from_exports(store, user_id)
     report["removed_dirs"] = report["tables"]
     return report

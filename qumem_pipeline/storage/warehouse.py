@@ -286,10 +286,15 @@ class Warehouse:
             os.replace(tmp, self.path)
             Path(str(self.path) + ".wal").unlink(missing_ok=True)
 
-    def export_parquet(self, out_dir: str | os.PathLike) -> dict[str, str]:
-        """COPY every table to `<out_dir>/<table>.parquet` for other warehouses."""
+    def export_parquet(self, out_dir: str | os.PathLike, store=None) -> dict[str, str]:
+        """COPY every table to `<out_dir>/<table>.parquet` for other warehouses. With the data root's
+        `store`, the folder is recorded first (`record_export`), so every later forget rewrites it."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        if store is not None:
+            from qumem_pipeline.storage.warehouse_locations import record_export
+
+            record_export(store, out)
         written = {}
         with self.connect(read_only=True) as con:
             names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema='main' ORDER BY 1").fetchall()]
