@@ -55,7 +55,7 @@ def _table_hashes(root: Path) -> dict[str, str]:
 
 def _warehouse_rows(path: Path) -> dict[str, list]:
     with duckdb.connect(str(path), read_only=True) as con:
-        names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
+        names = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1").fetchall()]
         return {n: sorted(map(repr, con.execute(f'SELECT * EXCLUDE (code_version) FROM "{n}"').fetchall())) for n in names}
 
 

@@ -55,8 +55,8 @@ def files_containing(root, needle: str) -> list:
             found = any(needle in str(v) for col in df.columns for v in df[col].to_list() if v is not None)
         if not found and p.suffix == ".duckdb":
             with duckdb.connect(str(p), read_only=True) as con:
-                for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall():
-                    if con.execute(f'SELECT count(*) FROM "{t}" AS r WHERE CAST(r AS VARCHAR) LIKE ?', [f"%{needle}%"]).fetchone()[0]:
+                for schema, t in con.execute("SELECT table_schema, table_name FROM information_schema.tables").fetchall():
+                    if con.execute(f'SELECT count(*) FROM "{schema}"."{t}" AS r WHERE CAST(r AS VARCHAR) LIKE ?', [f"%{needle}%"]).fetchone()[0]:
                         found = True
         if found:
             hits.append(p)
