@@ -80,23 +80,25 @@ def audit_warehouse(path: str, user_id: str | None, canaries: list[str]) -> dict
     hits = []
     wh = Warehouse(p)
     with wh.connect(read_only=True) as con:
-        tables = [r[0] for r in con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema='main'").fetchall()]
-        for t in tables:
-            for col, dtype, *_ in con.execute(f'DESCRIBE "{t}"').fetchall():
+        # every schema: the warehouse's tables (`main`) and its own bookkeeping (`qumem_meta`)
+        tables = con.execute("SELECT table_schema, table_name FROM information_schema.tables "
+                             "WHERE table_catalog = current_database()").fetchall()
+        for schema, name in tables:
+            t, label = f'"{schema}"."{name}"', name if schema == "main" else f"{schema}.{name}"
+            for col, dtype, *_ in con.execute(f'DESCRIBE {t}').fetchall():
                 if "VARCHAR" not in str(dtype).upper() and "[]" not in str(dtype) and "STRUCT" not in str(dtype).upper() \
                         and "JSON" not in str(dtype).upper():
                     continue
                 expr = f'CAST("{col}" AS VARCHAR)'
                 if user_id:
-                    n = con.execute(f'SELECT count(*) FROM "{t}" WHERE regexp_matches({expr}, ?)',
+                    n = con.execute(f'SELECT count(*) FROM {t} WHERE regexp_matches({expr}, ?)',
                                     [f"(^|[^{_ID_CHARS}]){re.escape(user_id)}([^{_ID_CHARS}]|$)"]).fetchone()[0]
                     if n:
-                        hits.append({"table": t, "column": col, "found": "user_id", "rows": n})
+                        hits.append({"table": label, "column": col, "found": "user_id", "rows": n})
                 for c in canaries:
-                    n = con.execute(f'SELECT count(*) FROM "{t}" WHERE contains({expr}, ?)', [c]).fetchone()[0]
+                    n = con.execute(f'SELECT count(*) FROM {t} WHERE contains({expr}, ?)', [c]).fetchone()[0]
                     if n:
-                        hits.append({"table": t, "column": col, "found": f"canary:{c}", "rows": n})
+                        hits.append({"table": label, "column": col, "found": f"canary:{c}", "rows": n})
     raw = p.read_bytes().decode("latin-1")
     for f in _found(raw, user_id, canaries):
         hits.append({"table": None, "column": "<file bytes>", "found": f})
