@@ -395,23 +395,10 @@ class TableStore:
         dt = self._open(table)
         if dt is None or not users:
             return 0
-        pred = self._predicate(users, int(self._meta(dt)["user_buckets"]))
-        for attempt in range(COMMIT_RETRIES):
-            try:
-                commit = self._commit_properties(dt, {"qumem.operation": "delete", "qumem.users": str(len(users))})
-                res = dt.delete(pred, writer_properties=_WRITER, commit_properties=commit)
-                return int(res.get("num_deleted_rows", 0) or 0)
-            except (CommitFailedError, DeltaError, OSError) as exc:
-                # a failed delete's rewritten files hold the bucket's other users, a forgotten one among them maybe
-                self.remove_dead_files(table, users)
-                if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
-                    raise
-                _backoff(attempt)
-                self._tables.pop(table, None)
-                dt = self._open(table)
-                if dt is None:
-                    return 0
-        return 0  # pragma: no cover
+        n = int(self._meta(dt)["user_buckets"])
+        # a failed delete's rewritten files hold the bucket's other users, a forgotten one among them maybe
+        return self._delete_rows(table, self._predicate(users, n), {"qumem.operation": "delete", "qumem.users": str(len(users))},
+                                 dead_in={user_bucket(u, n) for u in users})
 
     def delete_where(self, table: str, predicate: str, *, operation: str) -> int:
         """Delete the rows matching a SQL `predicate` over data columns, in one commit (retried on
@@ -420,20 +407,26 @@ class TableStore:
         dt = self._open(table)
         if dt is None:
             return 0
+        return self._delete_rows(table, predicate, {"qumem.operation": operation},
+                                 dead_in=range(int(self._meta(dt)["user_buckets"])))
+
+    def _delete_rows(self, table: str, predicate: str, custom: dict[str, str], dead_in: Iterable[int]) -> int:
+        """One delete commit, retried on conflicts; after a failed attempt, the dead files of erased
+        users in the buckets `dead_in` are removed (its rewrites may hold them)."""
+        dead_in = sorted(set(dead_in))
         for attempt in range(COMMIT_RETRIES):
+            dt = self._open(table)
+            if dt is None:
+                return 0
             try:
-                commit = self._commit_properties(dt, {"qumem.operation": operation})
-                res = dt.delete(predicate, writer_properties=_WRITER, commit_properties=commit)
+                res = dt.delete(predicate, writer_properties=_WRITER, commit_properties=self._commit_properties(dt, custom))
                 return int(res.get("num_deleted_rows", 0) or 0)
             except (CommitFailedError, DeltaError, OSError) as exc:
-                self._remove_dead_in_buckets(table, range(int(self._meta(dt)["user_buckets"])))
+                self._remove_dead_in_buckets(table, dead_in)
                 if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
                     raise
                 _backoff(attempt)
                 self._tables.pop(table, None)
-                dt = self._open(table)
-                if dt is None:
-                    return 0
         return 0  # pragma: no cover
 
     def remove_dead_files(self, table: str, users: Iterable[str]) -> list[str]:
