@@ -267,40 +267,20 @@ def test_a_forget_whose_old_checkpoint_another_forget_removed_first_still_lands(
     suite run as FileNotFoundError out of scrub_log: the file being gone is what the delete wanted."""
     import pyarrow.fs as pafs
 
-    from qumem_pipeline.storage import forget as forget_mod
-
     root = tmp_path / "data"
     store = TableStore(root, n_buckets=4)
     for tag in ("v1", "v2", "v3"):
         store.replace("turns", _rows(["alice", "bob"], tag=tag))
         store._open("turns").create_checkpoint()  # older checkpoints for the scrub to remove
     raced: list[str] = []
+    real_drop = TableStore.drop_log_file
 
-    class _OtherForgetFirst:  # the log's filesystem as scrub_log sees it
-        def __init__(self, fs):
-            self._fs = fs
+    def other_forget_first(fs, path):
+        fs.delete_file(path)  # the other forget's delete ...
+        raced.append(path)
+        real_drop(fs, path)  # ... then ours: FileNotFoundError
 
-        def __getattr__(self, name):
-            return getattr(self._fs, name)
-
-        def delete_file(self, path):
-            self._fs.delete_file(path)  # the other forget's delete ...
-            raced.append(path)
-            return self._fs.delete_file(path)  # ... then ours: FileNotFoundError
-
-    class _Store:
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-        def filesystem(self):
-            fs, base = self._inner.filesystem()
-            return _OtherForgetFirst(fs), base
-
-    real_scrub = forget_mod.scrub_log
-    monkeypatch.setattr(forget_mod, "scrub_log", lambda st, table, needles: real_scrub(_Store(st), table, needles))
+    monkeypatch.setattr(TableStore, "drop_log_file", staticmethod(other_forget_first))
     forget_user(root, None, "alice")
     assert any("/turns/_delta_log/" in p and ".checkpoint." in p for p in raced), raced  # the race was exercised
     assert all(not Path(p).exists() for p in raced)
@@ -449,3 +429,75 @@ def test_a_forget_rewrites_the_parquet_exports_made_before_it(tmp_path, monkeypa
     monkeypatch.setenv("QUMEM_HOST_ID", "here")
     with pytest.raises(StoreUnreachable, match="export folder.*export-host"):
         forget_user(root, wh_path, "bob")
+
+
+def _checkpoints(root: Path, table: str) -> list[int]:
+    return sorted(int(p.name.split(".")[0]) for p in (root / table / "_delta_log").glob("*.checkpoint.parquet"))
+
+
+def test_the_store_checkpoints_every_interval_itself(tmp_path, monkeypatch):
+    """delta-rs' post-commit hook takes no checkpoint (the store does: `_after_commit`), so a table
+    read does not replay every commit since the first."""
+    from qumem_pipeline.storage import table_store as ts
+
+    monkeypatch.setattr(ts, "CHECKPOINT_INTERVAL", 4)
+    root = tmp_path / "data"
+    store = TableStore(root, n_buckets=2)
+    for i in range(9):  # versions 0 (create) .. 9
+        store.replace("turns", _rows(["alice", "bob"], tag=f"v{i}"))
+    assert _checkpoints(root, "turns") == [4, 8]
+    assert TableStore(root).read("turns", ["bob"])["text"].to_list() == ["bob v8 secret-bob-0", "bob v8 secret-bob-1"]
+
+
+def test_a_checkpoint_written_after_the_forget_scrubbed_the_log_names_no_one(tmp_path, monkeypatch):
+    """W's commit is due a checkpoint; W reads the log for it (alice's statistics in it) and its write
+    lands late: alice's whole forget runs meanwhile (epoch, delete, log scrub, erased). W's checkpoint
+    of its old snapshot names alice and appears after the scrub; W sees the registry moved,
+    checkpoints the latest version again and removes the older checkpoints, its own among them.
+    (When delta-rs' post-commit hook wrote checkpoints, such a late one stayed until a second forget.)"""
+    from qumem_pipeline.storage import table_store as ts
+
+    monkeypatch.setattr(ts, "CHECKPOINT_INTERVAL", 4)
+    root = tmp_path / "data"
+    log = root / "turns" / "_delta_log"
+    plain = TableStore(root, n_buckets=1)
+    plain.replace("turns", _rows(["alice", "bob"]))  # versions 0 (create) and 1: one file, both users
+    plain.replace("turns", _rows(["carol"]))  # 2
+    plain.replace("turns", _rows(["carol"], tag="v2"))  # 3
+    gate, reached, late = threading.Event(), threading.Event(), []
+
+    class SlowCheckpointer(TableStore):
+        def _checkpoint(self, dt):
+            super()._checkpoint(dt)
+            if reached.is_set():
+                return
+            # read from the log now, but not yet landed: held back until the forget has run
+            held = {p: p.read_bytes() for p in (log / f"{dt.version():020d}.checkpoint.parquet", log / "_last_checkpoint")}
+            assert b"alice" in next(iter(held.values()))
+            for p in held:
+                p.unlink()
+            late.append(dt.version())
+            reached.set()
+            assert gate.wait(60)
+            for p, data in held.items():
+                p.write_bytes(data)
+
+    w = SlowCheckpointer(root, n_buckets=1)
+    errors = []
+
+    def write():
+        try:
+            w.replace("turns", _rows(["bob"], tag="v2"))  # version 4: due a checkpoint
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    th = threading.Thread(target=write)
+    th.start()
+    assert reached.wait(60), errors
+    forget_user(root, None, "alice")
+    gate.set()
+    th.join(120)
+    assert not errors and late == [4]
+    assert audit_data_root(str(root), "alice", ["secret-alice"])["hits"] == []
+    assert min(_checkpoints(root, "turns")) > 4  # W's own late checkpoint went with the others
+    assert TableStore(root).users_in("turns") == ["bob", "carol"]

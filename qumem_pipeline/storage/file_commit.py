@@ -28,12 +28,14 @@ from pathlib import Path
 
 import polars as pl
 import pyarrow.fs as pafs
-from deltalake import CommitProperties, DeltaTable, Schema
+from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Schema
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
 # zstd level 1: between zstd's default level (smaller files, more CPU) and snappy (less CPU, larger
 # files); bench/ingest.py `writers` compares the resulting write with delta-rs' writer.
 CODEC, CODEC_LEVEL = "zstd", 1
+# No checkpoint from delta-rs' post-commit hook: the table store takes its own (table_store._after_commit).
+NO_HOOKS = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
 # Files of one write encoded at once (write_files).
 ENCODE_THREADS = max(1, min(4, os.cpu_count() or 2))
 
@@ -126,9 +128,11 @@ def commit_new_table(uri: str, schema, adds: list[AddAction], *, partition_by: l
     """Create the table with these files as its first version (fails if it exists: the caller retries)."""
     create_table_with_add_actions(uri, Schema.from_arrow(schema), adds, mode="error", partition_by=partition_by,
                                   description=description, configuration=configuration,
-                                  storage_options=storage_options, commit_properties=commit)
+                                  storage_options=storage_options, commit_properties=commit,
+                                  post_commithook_properties=NO_HOOKS)
 
 
 def commit_append(dt: DeltaTable, adds: list[AddAction], *, partition_by: list[str], commit: CommitProperties) -> None:
     """One append commit of these files, under the table's own schema."""
-    dt.create_write_transaction(adds, "append", dt.schema(), partition_by=partition_by, commit_properties=commit)
+    dt.create_write_transaction(adds, "append", dt.schema(), partition_by=partition_by, commit_properties=commit,
+                                post_commithook_properties=NO_HOOKS)

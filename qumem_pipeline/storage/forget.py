@@ -25,14 +25,13 @@ The Dagster instance is scrubbed by the Dagster layer (`assets/forget.py`).
 import json
 import os
 import re
-import time
 from pathlib import Path
 
 import polars as pl
 import pyarrow.fs as pafs
 
 from qumem_pipeline.contracts.ids import validate_user_id
-from qumem_pipeline.storage.table_store import TableStore, _log_moved, is_uri
+from qumem_pipeline.storage.table_store import TableStore, is_uri
 from qumem_pipeline.storage.tombstones import ERASED, READMIT, REGISTRY_TABLE, Tombstones
 from qumem_pipeline.storage.warehouse_locations import (EXPORT_LOCATIONS, WAREHOUSE_LOCATIONS, _host,
                                                          export_locations, record_warehouse, warehouse_locations)
@@ -104,18 +103,8 @@ def scrub_log(store: TableStore, table: str, needles: list[str]) -> int:
     rewriting one file concurrently both leave it clean), and remove the older checkpoints.
     Commit files stay (a writer's conflict check reads them; a missing one would let a stale writer
     re-create it). Returns the files rewritten."""
-    for attempt in range(20):  # another forget may replace the checkpoint this load started from
-        dt = store._open(table)
-        if dt is None:
-            return 0
-        try:
-            dt.create_checkpoint()
-            break
-        except Exception as exc:  # noqa: BLE001
-            if not _log_moved(exc) or attempt == 19:
-                raise
-            store._tables.pop(table, None)
-            time.sleep(0.05 * (attempt + 1))
+    if store.fresh_checkpoint(table) < 0:
+        return 0
     fs, base = store.filesystem()
     log = f"{base}/{table}/_delta_log"
     infos = fs.get_file_info(pafs.FileSelector(log, allow_not_found=True))
@@ -125,10 +114,7 @@ def scrub_log(store: TableStore, table: str, needles: list[str]) -> int:
         if info.type != pafs.FileType.File:
             continue
         if ".checkpoint." in info.base_name and int(info.base_name.split(".")[0]) < latest_cp:
-            try:
-                fs.delete_file(info.path)
-            except FileNotFoundError:  # a concurrent forget removed it between our listing and here: gone either way
-                pass
+            store.drop_log_file(fs, info.path)
             continue
         if not info.base_name.endswith(".json") or info.base_name.startswith("_"):
             continue

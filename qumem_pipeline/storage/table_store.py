@@ -34,6 +34,7 @@ AZURE_*); on S3, delta-rs >= 1.0 commits with conditional puts, so no locking pr
 import bisect
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -52,6 +53,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from deltalake.transaction import Transaction
 
 from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
+from qumem_pipeline.storage.file_commit import NO_HOOKS as _NO_HOOKS
 from qumem_pipeline.storage.file_commit import commit_append, commit_new_table, fast_path_ok, may_hold, write_files
 
 KEY, BUCKET, PLACEHOLDER = "user_key", "user_bucket", "user_placeholder"
@@ -60,6 +62,7 @@ DESCRIPTION_TAG = "qumem-table-store"
 # How a write landed (``TableStore.write_paths`` counts them): new files plus one add-only commit, or
 # through delta-rs because the add-only path did not apply (SKIPPED) or found another writer's copy (RACED).
 WRITTEN, SKIPPED, RACED = "add_only", "delta_rs", "add_only_raced"
+_LOG = logging.getLogger(__name__)
 COMMIT_RETRIES = int(os.environ.get("QUMEM_COMMIT_RETRIES", "20"))
 TARGET_FILE_SIZE = int(os.environ.get("QUMEM_TARGET_FILE_BYTES", str(256 * 1024 * 1024)))
 _TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -69,6 +72,11 @@ _STAGING = re.compile(r"\.parquet#(\d+|q)$")  # a local file being written (delt
 # reading 100 users costs the same at 1M and 10M rows (bench/ingest.py read_ratio_10m_vs_1m).
 ROW_GROUP_ROWS = int(os.environ.get("QUMEM_ROW_GROUP_ROWS", "4096"))
 _WRITER = WriterProperties(compression="ZSTD", max_row_group_size=ROW_GROUP_ROWS)
+# Checkpoints are this store's, not delta-rs' post-commit hook (`_after_commit`): a checkpoint the hook
+# writes late, from a snapshot taken before a forget deleted a user, would land after the forget
+# scrubbed the log and carry that user's statistics; the store's own can be checked and cleaned up.
+# Every `CHECKPOINT_INTERVAL` versions, as delta-rs' default `delta.checkpointInterval`.
+CHECKPOINT_INTERVAL = int(os.environ.get("QUMEM_CHECKPOINT_INTERVAL", "100"))
 
 
 class SchemaEvolutionError(ValueError):
@@ -419,7 +427,9 @@ class TableStore:
             if dt is None:
                 return 0
             try:
-                res = dt.delete(predicate, writer_properties=_WRITER, commit_properties=self._commit_properties(dt, custom))
+                res = dt.delete(predicate, writer_properties=_WRITER, commit_properties=self._commit_properties(dt, custom),
+                                post_commithook_properties=_NO_HOOKS)
+                self._after_commit(table, dt.version())
                 return int(res.get("num_deleted_rows", 0) or 0)
             except (CommitFailedError, DeltaError, OSError) as exc:
                 self._remove_dead_in_buckets(table, dead_in)
@@ -505,7 +515,8 @@ class TableStore:
             meta = self._meta(dt)
             meta["erase_epoch"] = int(meta.get("erase_epoch", 0)) + 1
             try:
-                dt.alter.set_table_description(json.dumps(meta))
+                dt.alter.set_table_description(json.dumps(meta), post_commithook_properties=_NO_HOOKS)
+                self._after_commit(table, dt.version())
                 return meta["erase_epoch"]
             except (CommitFailedError, DeltaError, OSError) as exc:
                 if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
@@ -524,7 +535,7 @@ class TableStore:
         for attempt in range(COMMIT_RETRIES):
             seen = self.tombstones().refresh() if guarded else None
             try:
-                return self._write_once(table, users, frames, empty, template, operation, guarded)
+                version = self._write_once(table, users, frames, empty, template, operation, guarded)
             except (CommitFailedError, DeltaError, OSError) as exc:
                 # This attempt's files may hold a user forgotten meanwhile: one of its own, or another
                 # user of a file its predicate overwrite rewrote. Cleaned up when anyone was forgotten
@@ -536,6 +547,9 @@ class TableStore:
                     raise
                 _backoff(attempt)
                 self._tables.pop(table, None)
+                continue
+            self._after_commit(table, version, guarded)
+            return version
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _write_once(self, table, users, frames, empty, template, operation, guarded=True) -> int:
@@ -575,7 +589,8 @@ class TableStore:
                         predicate=None if append else self._predicate(users, n),
                         partition_by=[BUCKET], schema_mode="merge" if new_cols else None,
                         storage_options=self.storage_options, writer_properties=_WRITER,
-                        target_file_size=TARGET_FILE_SIZE, commit_properties=commit)
+                        target_file_size=TARGET_FILE_SIZE, commit_properties=commit,
+                        post_commithook_properties=_NO_HOOKS)
         self._tables.pop(table, None)
         dt2 = self._open(table)
         return dt2.version() if dt2 is not None else -1
@@ -662,7 +677,7 @@ class TableStore:
             return
         meta = self._meta(dt)
         meta.setdefault("dtypes", {}).update({c: _dtype_to_str(t) for c, t in hints.items()})
-        dt.alter.set_table_description(json.dumps(meta))
+        dt.alter.set_table_description(json.dumps(meta), post_commithook_properties=_NO_HOOKS)
 
     # ------------------------------------------------------------------ maintenance
     def compact(self, table: str, target_size: int | None = None) -> dict:
@@ -670,7 +685,12 @@ class TableStore:
         dt = self._open(table)
         if dt is None:
             return {}
-        return dt.optimize.compact(target_size=target_size or TARGET_FILE_SIZE, writer_properties=_WRITER)
+        before = dt.version()
+        out = dt.optimize.compact(target_size=target_size or TARGET_FILE_SIZE, writer_properties=_WRITER,
+                                  post_commithook_properties=_NO_HOOKS)
+        if dt.version() != before:
+            self._after_commit(table, dt.version())
+        return out
 
     def vacuum(self, table: str, retention_hours: int | None = None, orphans_grace_hours: int | None = None) -> list[str]:
         """Delete files the table no longer references: removed ones older than `retention_hours`
@@ -680,11 +700,14 @@ class TableStore:
         if dt is None:
             return []
         grace = retention_hours if orphans_grace_hours is None else orphans_grace_hours
+        before = dt.version()
         removed = dt.vacuum(retention_hours=retention_hours, dry_run=False,
-                            enforce_retention_duration=retention_hours is None)
+                            enforce_retention_duration=retention_hours is None, post_commithook_properties=_NO_HOOKS)
         if grace is not None or retention_hours is None:
             removed += dt.vacuum(retention_hours=grace, dry_run=False, enforce_retention_duration=grace is None,
-                                 full=True)
+                                 full=True, post_commithook_properties=_NO_HOOKS)
+        if dt.version() != before:
+            self._after_commit(table, dt.version())
         base = self.uri(table).rstrip("/") + "/"
         out = {r[len(base):] if r.startswith(base) else r.lstrip("/") for r in removed}
         return sorted(out | set(self._remove_staging(table, grace)))
@@ -710,6 +733,68 @@ class TableStore:
                 fs.delete_file(info.path)
                 gone.append(rel)
         return gone
+
+    # ------------------------------------------------------------------ checkpoints
+    def _after_commit(self, table: str, version: int | None, guarded: bool = True) -> None:
+        """Checkpoint every `CHECKPOINT_INTERVAL` versions, as delta-rs' post-commit hook did, then
+        drop expired commit files (the hook's `cleanup_expired_logs`). When an erasure was under way
+        or landed while the checkpoint was written, the checkpoint may come from a snapshot that still
+        held the erased user's files (their statistics name them) and may have landed after the
+        forget scrubbed the log: the latest version is checkpointed again and every older checkpoint
+        removed (`fresh_checkpoint`, the forget's own first step). Never raises: the commit landed,
+        and a checkpoint that failed is taken by a later commit (`qumem forget --verify` would find a
+        user left in one)."""
+        if version is None or version <= 0 or CHECKPOINT_INTERVAL <= 0 or version % CHECKPOINT_INTERVAL:
+            return
+        try:
+            tombs = self.tombstones() if guarded else None
+            seen = tombs.refresh() if tombs is not None else None
+            erasing = tombs is not None and tombs.erasure_pending()
+            dt = self._open(table)
+            if dt is None:
+                return
+            self._checkpoint(dt)
+            dt.cleanup_metadata()
+            if tombs is not None and (erasing or tombs.refresh() != seen or tombs.erasure_pending()):
+                self.fresh_checkpoint(table)
+        except (CommitFailedError, DeltaError, OSError) as exc:
+            _LOG.warning("table %s: checkpoint after version %s failed (%s); a later commit takes one", table, version, exc)
+
+    @staticmethod
+    def _checkpoint(dt: DeltaTable) -> None:
+        dt.create_checkpoint()
+
+    def fresh_checkpoint(self, table: str) -> int:
+        """Checkpoint the latest version, then delete every older checkpoint file (a stale one may
+        name a user erased since). Retried when another forget replaces the checkpoint this load
+        started from. Returns the version checkpointed (-1: no such table)."""
+        for attempt in range(COMMIT_RETRIES):
+            dt = self._open(table)
+            if dt is None:
+                return -1
+            try:
+                self._checkpoint(dt)
+                break
+            except (DeltaError, OSError) as exc:
+                if not _log_moved(exc) or attempt == COMMIT_RETRIES - 1:
+                    raise
+                self._tables.pop(table, None)
+                _backoff(attempt)
+        fs, base = self.filesystem()
+        log = f"{base}/{table}/_delta_log"
+        for info in fs.get_file_info(pafs.FileSelector(log, allow_not_found=True)):
+            if info.type == pafs.FileType.File and ".checkpoint." in info.base_name \
+                    and int(info.base_name.split(".")[0]) < dt.version():
+                self.drop_log_file(fs, info.path)
+        return dt.version()
+
+    @staticmethod
+    def drop_log_file(fs: pafs.FileSystem, path: str) -> None:
+        """Delete an old checkpoint; one a concurrent forget or writer removed first is gone either way."""
+        try:
+            fs.delete_file(path)
+        except FileNotFoundError:
+            pass
 
     def expire_log(self, table: str) -> None:
         """Checkpoint the latest version and drop the older commit files (they name the users each

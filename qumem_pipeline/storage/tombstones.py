@@ -158,6 +158,11 @@ class Tombstones:
             self.refresh()
         return self._members(users, self._forgotten)
 
+    def erasure_pending(self) -> bool:
+        """Whether a forget is under way as of the last refresh: a user forgotten and not yet erased
+        (their forget has not finished deleting and scrubbing; or it died and awaits its rerun)."""
+        return any(d - self._erased.get(k, set()) for k, d in self._forgotten.items())
+
     def erased_among(self, users, refresh: bool = True) -> set[str]:
         """Which of `users` are forgotten and erased from every table (their forget finished)."""
         if refresh:
