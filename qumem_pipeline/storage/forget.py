@@ -107,14 +107,9 @@ def scrub_log(store: TableStore, table: str, needles: list[str]) -> int:
         return 0
     fs, base = store.filesystem()
     log = f"{base}/{table}/_delta_log"
-    infos = fs.get_file_info(pafs.FileSelector(log, allow_not_found=True))
-    latest_cp = max((int(i.base_name.split(".")[0]) for i in infos if ".checkpoint." in i.base_name), default=-1)
     rewritten = 0
-    for info in infos:
+    for info in fs.get_file_info(pafs.FileSelector(log, allow_not_found=True)):
         if info.type != pafs.FileType.File:
-            continue
-        if ".checkpoint." in info.base_name and int(info.base_name.split(".")[0]) < latest_cp:
-            store.drop_log_file(fs, info.path)
             continue
         if not info.base_name.endswith(".json") or info.base_name.startswith("_"):
             continue

@@ -429,14 +429,15 @@ class TableStore:
             try:
                 res = dt.delete(predicate, writer_properties=_WRITER, commit_properties=self._commit_properties(dt, custom),
                                 post_commithook_properties=_NO_HOOKS)
-                self._after_commit(table, dt.version())
-                return int(res.get("num_deleted_rows", 0) or 0)
             except (CommitFailedError, DeltaError, OSError) as exc:
                 self._remove_dead_in_buckets(table, dead_in)
                 if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
                     raise
                 _backoff(attempt)
                 self._tables.pop(table, None)
+                continue
+            self._after_commit(table, dt.version())
+            return int(res.get("num_deleted_rows", 0) or 0)
         return 0  # pragma: no cover
 
     def remove_dead_files(self, table: str, users: Iterable[str]) -> list[str]:
@@ -516,13 +517,14 @@ class TableStore:
             meta["erase_epoch"] = int(meta.get("erase_epoch", 0)) + 1
             try:
                 dt.alter.set_table_description(json.dumps(meta), post_commithook_properties=_NO_HOOKS)
-                self._after_commit(table, dt.version())
-                return meta["erase_epoch"]
             except (CommitFailedError, DeltaError, OSError) as exc:
                 if not _is_conflict(exc) or attempt == COMMIT_RETRIES - 1:
                     raise
                 self._tables.pop(table, None)
                 _backoff(attempt)
+                continue
+            self._after_commit(table, dt.version())
+            return meta["erase_epoch"]
         return None  # pragma: no cover
 
     def _predicate(self, users: list[str], n: int) -> str:
@@ -765,7 +767,7 @@ class TableStore:
         dt.create_checkpoint()
 
     def fresh_checkpoint(self, table: str) -> int:
-        """Checkpoint the latest version, then delete every older checkpoint file (a stale one may
+        """Checkpoint the latest version, then delete every checkpoint file but the newest (a stale one may
         name a user erased since). Retried when another forget replaces the checkpoint this load
         started from. Returns the version checkpointed (-1: no such table)."""
         for attempt in range(COMMIT_RETRIES):
@@ -782,10 +784,12 @@ class TableStore:
                 _backoff(attempt)
         fs, base = self.filesystem()
         log = f"{base}/{table}/_delta_log"
-        for info in fs.get_file_info(pafs.FileSelector(log, allow_not_found=True)):
-            if info.type == pafs.FileType.File and ".checkpoint." in info.base_name \
-                    and int(info.base_name.split(".")[0]) < dt.version():
-                self.drop_log_file(fs, info.path)
+        cps = [(int(i.base_name.split(".")[0]), i.path) for i in fs.get_file_info(pafs.FileSelector(log, allow_not_found=True))
+               if i.type == pafs.FileType.File and ".checkpoint." in i.base_name]
+        newest = max([dt.version(), *(v for v, _ in cps)])  # another writer's may be newer than ours: keep that one
+        for v, path in cps:
+            if v < newest:
+                self.drop_log_file(fs, path)
         return dt.version()
 
     @staticmethod
