@@ -1,10 +1,11 @@
 """The GPU paths against the CPU on the same inputs; run by scripts/gpu_check.sh (see docs/operating.md#gpu-check).
 
 1. The continuity classifier: the same (previous, next) turn pairs through `ContinuityClassifier` on CPU
-   (float32) and on CUDA (bf16 autocast): P(same), the threshold decisions and the boundaries of the
-   artifact's decision rule (P(same) + MiniLM cosine dips, per history) must be the same.
+   and on CUDA, both float32 (the product's default): P(same), the threshold decisions and the
+   boundaries of the artifact's decision rule (P(same) + MiniLM cosine dips, per history) must be the
+   same. The opt-in bf16 autocast on CUDA is run too and reported (`bf16_opt_in`), not judged.
 2. FAISS, when the `faiss` module there has GPU support: the index stage's flat inner-product index
-   built on the GPU (`index/vector_store.build_index(use_gpu=True)`: add on the GPU, copy to CPU) and
+   built on the GPU (`index/faiss_build.build_index(use_gpu=True)`, the index stage's build: add on the GPU, copy to CPU) and
    searched on the GPU, against the CPU build and search: the same top-k ids.
 
 Prints one JSON line last. No CUDA (torch missing, or `torch.cuda.is_available()` false): `status`
@@ -139,6 +140,8 @@ def histories(limit_pairs: int) -> list[list[str]]:
 
 # ------------------------------------------------------------------------------------ checks
 def classifier_check(device: str, n_pairs: int, batch_size: int, verify_base: bool) -> dict:
+    """CPU float32 against the device in the product's default precision (fp32; pass/fail), and on
+    CUDA also in the opt-in bf16 (reported: how far bf16 moves P(same) and the decisions)."""
     import numpy as np
     import torch
 
@@ -146,11 +149,11 @@ def classifier_check(device: str, n_pairs: int, batch_size: int, verify_base: bo
 
     hs = histories(n_pairs)
     pairs = [(h[i], h[i + 1]) for h in hs for i in range(len(h) - 1)]
-    res: dict = {"n_pairs": len(pairs), "n_histories": len(hs), "device": device}
+    res: dict = {"n_pairs": len(pairs), "n_unique_pairs": len(set(pairs)), "n_histories": len(hs), "device": device}
 
-    def run(dev: str):
+    def run(dev: str, precision: str):
         t = time.perf_counter()
-        clf = ContinuityClassifier.load(device=dev, verify_base=verify_base)
+        clf = ContinuityClassifier.load(device=dev, verify_base=verify_base, precision=precision)
         load_s = time.perf_counter() - t
         t = time.perf_counter()
         p = clf.predict_same_proba(pairs, batch_size=batch_size)
@@ -166,30 +169,57 @@ def classifier_check(device: str, n_pairs: int, batch_size: int, verify_base: bo
             k += m
         return clf, p, cos, np.concatenate(bounds) if bounds else np.zeros(0), load_s, infer_s
 
-    cpu_clf, p_cpu, cos_cpu, b_cpu, res["cpu_load_s"], res["cpu_infer_s"] = run("cpu")
-    dev_clf, p_dev, cos_dev, b_dev, res["device_load_s"], res["device_infer_s"] = run(device)
-    res["bf16"] = bool(dev_clf.use_bf16)
+    def compare(p_dev, cos_dev, b_dev) -> dict:
+        d_cpu, d_dev = p_cpu < thr, p_dev < thr
+        near = np.abs(p_cpu - thr) < MARGIN
+        flips = d_cpu != d_dev
+        out = {
+            "max_abs_diff_p_same": float(np.max(np.abs(p_cpu - p_dev))) if len(pairs) else 0.0,
+            "max_abs_diff_cosine": float(np.max(np.abs(cos_cpu - cos_dev))) if len(pairs) else 0.0,
+            "threshold_decisions_differ": int(flips.sum()),
+            "threshold_decisions_differ_unique_pairs": len({pairs[i] for i in np.flatnonzero(flips)}),
+            "threshold_decisions_differ_outside_margin": int((flips & ~near).sum()),
+            "boundaries_differ": int((b_cpu != b_dev).sum()),
+        }
+        out["decisions_equal"] = out["threshold_decisions_differ"] == 0 and out["boundaries_differ"] == 0
+        return out
+
+    cpu_clf, p_cpu, cos_cpu, b_cpu, res["cpu_load_s"], res["cpu_infer_s"] = run("cpu", "fp32")
     thr = cpu_clf.threshold
-    d_cpu, d_dev = p_cpu < thr, p_dev < thr
-    near = np.abs(p_cpu - thr) < MARGIN
-    res.update(
-        threshold=thr,
-        max_abs_diff_p_same=float(np.max(np.abs(p_cpu - p_dev))) if len(pairs) else 0.0,
-        max_abs_diff_cosine=float(np.max(np.abs(cos_cpu - cos_dev))) if len(pairs) else 0.0,
-        threshold_decisions_differ=int((d_cpu != d_dev).sum()),
-        threshold_decisions_differ_outside_margin=int(((d_cpu != d_dev) & ~near).sum()),
-        boundaries_cpu=int(b_cpu.sum()),
-        boundaries_differ=int((b_cpu != b_dev).sum()),
-        pairs_per_s_cpu=round(len(pairs) / res["cpu_infer_s"], 1) if res["cpu_infer_s"] else None,
-        pairs_per_s_device=round(len(pairs) / res["device_infer_s"], 1) if res["device_infer_s"] else None,
-    )
-    res["decisions_equal"] = res["threshold_decisions_differ"] == 0 and res["boundaries_differ"] == 0
+    dev_clf, p_dev, cos_dev, b_dev, res["device_load_s"], res["device_infer_s"] = run(device, "fp32")
+    res.update(threshold=thr, precision="fp32", bf16=bool(dev_clf.use_bf16), boundaries_cpu=int(b_cpu.sum()),
+               **compare(p_dev, cos_dev, b_dev),
+               pairs_per_s_cpu=round(len(pairs) / res["cpu_infer_s"], 1) if res["cpu_infer_s"] else None,
+               pairs_per_s_device=round(len(pairs) / res["device_infer_s"], 1) if res["device_infer_s"] else None)
+    if device == "cuda":  # the opt-in: reported, not judged (docs/operating.md#gpu-check)
+        _, p_b, cos_b, b_b, _, infer_b = run(device, "bf16")
+        res["bf16_opt_in"] = {**compare(p_b, cos_b, b_b), "infer_s": round(infer_b, 3),
+                              "pairs_per_s": round(len(pairs) / infer_b, 1) if infer_b else None}
     for k in ("cpu_load_s", "cpu_infer_s", "device_load_s", "device_infer_s"):
         res[k] = round(res[k], 3)
     return res
 
 
+def _faiss_cuda12_libs() -> None:
+    """Point faiss-gpu's preload (it imports nvidia.cuda_runtime / .cublas / .curand and loads each
+    one's lib/) at the carried CUDA 12 runtime and cuBLAS-12 shim, whatever `nvidia` is on this image."""
+    site = os.environ.get("QUMEM_FAISS_CUDA12_SITE")
+    if not site:
+        return
+    try:
+        import nvidia  # noqa: F401 - the image's (CUDA 13 wheels), if any
+    except ImportError:
+        parent = types.ModuleType("nvidia")
+        parent.__path__ = [os.path.join(site, "nvidia")]
+        sys.modules["nvidia"] = parent
+    for name in ("cuda_runtime", "cublas", "curand"):
+        mod = types.ModuleType(f"nvidia.{name}")
+        mod.__path__ = [os.path.join(site, "nvidia", name)]
+        sys.modules[mod.__name__] = mod
+
+
 def faiss_check(device: str, n: int, n_queries: int, dim: int, k: int) -> dict:
+    _faiss_cuda12_libs()
     try:
         import faiss
     except ImportError as e:
@@ -201,31 +231,17 @@ def faiss_check(device: str, n: int, n_queries: int, dim: int, k: int) -> dict:
     if want_gpu and not has_gpu:
         return {"faiss_gpu": False, "faiss_reason": "this faiss build has no GPU support (or sees no GPU)",
                 "topk_equal": None}
-    try:
-        from qumem_pipeline.index.vector_store import build_index, gpu_resources
-        path = "index.vector_store.build_index"
-    except Exception:  # noqa: BLE001 - polars stood in for: the same calls as build_index, inline
-        path = "inline (vector_store not importable here)"
+    from qumem_pipeline.index.faiss_build import build_index, gpu_resources  # faiss + numpy only
 
-        def gpu_resources():
-            return faiss.StandardGpuResources()
-
-        def build_index(vectors, ids, dim, use_gpu=None):
-            new = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-            if use_gpu:
-                g = faiss.index_cpu_to_gpu(gpu_resources(), 0, new)
-                g.add_with_ids(vectors, ids)
-                return faiss.index_gpu_to_cpu(g), "gpu"
-            new.add_with_ids(vectors, ids)
-            return new, "cpu"
-
+    path = "index.faiss_build.build_index"
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, dim), dtype=np.float32)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     q = rng.standard_normal((n_queries, dim), dtype=np.float32)
     q /= np.linalg.norm(q, axis=1, keepdims=True)
     ids = np.arange(n, dtype=np.int64) * 7 + 3
-    res: dict = {"faiss_gpu": has_gpu, "faiss_path": path, "faiss_n": n, "faiss_queries": n_queries, "k": k}
+    res: dict = {"faiss_gpu": has_gpu, "faiss_version": getattr(faiss, "__version__", None),
+                 "cublas12_shim": bool(os.environ.get("QUMEM_CUBLAS12_SHIM")), "faiss_path": path, "faiss_n": n, "faiss_queries": n_queries, "k": k}
     t = time.perf_counter()
     cpu_index, _ = build_index(x, ids, dim, use_gpu=False)
     d_cpu, i_cpu = cpu_index.search(q, k)
@@ -247,6 +263,22 @@ def faiss_check(device: str, n: int, n_queries: int, dim: int, k: int) -> dict:
     return res
 
 
+def find_cublas13() -> str:
+    """The GPU machine's libcublas.so.13 (torch's pip copy, else a CUDA toolkit's), for the cuBLAS-12 shim."""
+    import glob
+
+    found: list = []
+    try:
+        import torch
+
+        found += sorted(Path(torch.__file__).resolve().parents[1].joinpath("nvidia").rglob("libcublas.so.13*"))
+    except Exception:  # noqa: BLE001 - no torch: the toolkit's copy, or none
+        pass
+    found += sorted(glob.glob("/usr/local/cuda*/lib64/libcublas.so.13*")
+                    + glob.glob("/usr/local/cuda*/targets/*/lib/libcublas.so.13*"))
+    return str(found[0]) if found else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run, CPU on both sides")
@@ -259,8 +291,14 @@ def main() -> None:
     ap.add_argument("--carry", type=Path, default=CARRY)
     ap.add_argument("--use-carry", action="store_true", help="rebuild the base model from the carry even if installed")
     ap.add_argument("--prepare-carry", action="store_true", help="write the carry (here, with the venv) and exit")
+    ap.add_argument("--checks", default="classifier,faiss",
+                    help="which comparisons to run (comma-separated): a call that carries only the FAISS wheel runs faiss alone")
     ap.add_argument("--json", action="store_true", help="accepted for symmetry with the benches: the last line is always JSON")
+    ap.add_argument("--find-cublas13", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.find_cublas13:
+        print(find_cublas13())
+        return
     sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
     if args.prepare_carry:
@@ -276,22 +314,28 @@ def main() -> None:
         emit({**out, "status": "skipped: no CUDA", "reason": "torch.cuda.is_available() is False"}, 0)
     if out["cuda_available"]:
         out["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        out["base_model"] = _ensure_imports(args.carry, args.use_carry)
-    except Exception as e:  # noqa: BLE001 - reported, exit 2
-        emit({**out, "status": f"error: {e}"}, 2)
-    verify = out["base_model"] == "installed"
-    out["classifier"] = classifier_check(args.device, args.pairs, args.batch_size, verify)
-    out["faiss"] = faiss_check(args.device, args.faiss_n, args.faiss_queries, args.dim, args.k)
-    c, f = out["classifier"], out["faiss"]
-    out["decisions_equal"] = c["decisions_equal"]
-    out["n_pairs"] = c["n_pairs"]
-    out["faiss_gpu"] = f["faiss_gpu"]
-    out["topk_equal"] = f["topk_equal"]
+    checks = {c.strip() for c in args.checks.split(",") if c.strip()}
+    if not checks or checks - {"classifier", "faiss"}:
+        emit({**out, "status": f"error: --checks takes classifier and/or faiss, not {args.checks!r}"}, 2)
+    out["checks"] = sorted(checks)
+    c = f = None
+    if "classifier" in checks:
+        try:
+            out["base_model"] = _ensure_imports(args.carry, args.use_carry)
+        except Exception as e:  # noqa: BLE001 - reported, exit 2
+            emit({**out, "status": f"error: {e}"}, 2)
+        verify = out["base_model"] == "installed"
+        c = out["classifier"] = classifier_check(args.device, args.pairs, args.batch_size, verify)
+        out["decisions_equal"] = c["decisions_equal"]
+        out["n_pairs"] = c["n_pairs"]
+    if "faiss" in checks:
+        f = out["faiss"] = faiss_check(args.device, args.faiss_n, args.faiss_queries, args.dim, args.k)
+        out["faiss_gpu"] = f["faiss_gpu"]
+        out["topk_equal"] = f["topk_equal"]
     out["seconds"] = round(time.perf_counter() - t0, 2)
     # strict: any differing decision fails (threshold_decisions_differ_outside_margin says whether a
     # flip sat next to the threshold, where bf16 rounding can move P(same) across it)
-    ok = c["decisions_equal"] and f["topk_equal"] is not False
+    ok = (c is None or c["decisions_equal"]) and (f is None or f["topk_equal"] is not False)
     out["status"] = "ok" if ok else "mismatch"
     emit(out, 0 if ok else 1)
 

@@ -125,3 +125,19 @@ def test_pair_cosine_is_the_base_minilm_cosine(clf):
     np.testing.assert_allclose(c, want, atol=1e-5)
     assert c[0] == pytest.approx(c[2], abs=1e-6) and c[0] > c[1]  # symmetric; the puppy pair is closer
     assert clf.pair_cosine([]).shape == (0,)
+
+
+def test_precision_is_fp32_unless_bf16_is_asked_for_and_bf16_is_in_the_version(clf, monkeypatch):
+    """A GPU host and a CPU host must cut the same episodes: fp32 on both unless bf16 is chosen, and a
+    bf16 choice changes the version rows carry (so its episodes are never mistaken for fp32's)."""
+    from qumem_pipeline.contracts.stage_versions import classifier_version
+    from qumem_pipeline.episodes.continuity.decoding import classifier_precision
+
+    monkeypatch.delenv("QUMEM_CLASSIFIER_PRECISION", raising=False)
+    assert classifier_precision() == "fp32" and not clf.use_bf16 and clf.version == classifier_version()
+    monkeypatch.setenv("QUMEM_CLASSIFIER_PRECISION", "bf16")
+    assert classifier_precision() == "bf16"
+    assert classifier_version() == clf.version + "+bf16"
+    monkeypatch.setenv("QUMEM_CLASSIFIER_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="QUMEM_CLASSIFIER_PRECISION='fp8'"):
+        classifier_precision()

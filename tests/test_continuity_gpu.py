@@ -1,4 +1,5 @@
-"""GPU path: CUDA + bf16 autocast gives the same decisions as CPU float32."""
+"""GPU path: CUDA in float32 (the default) gives CPU float32's decisions; bf16 autocast (opt-in) stays
+close. Skips without CUDA; scripts/gpu_check.sh is the same comparison on 4,096 pairs."""
 
 import os
 
@@ -13,14 +14,26 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU available (torch.cuda.is_available() is False)"),
 ]
 
+PAIRS = [("i just adopted a puppy", "what breed is she ?"), ("i just adopted a puppy", "i work as an accountant")] * 50
 
-def test_cuda_bf16_matches_cpu():
+
+def test_cuda_fp32_gives_the_cpu_decisions():
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
 
-    pairs = [("i just adopted a puppy", "what breed is she ?"), ("i just adopted a puppy", "i work as an accountant")] * 50
-    cpu = ContinuityClassifier.load(device="cpu").predict_same_proba(pairs)
+    cpu_clf = ContinuityClassifier.load(device="cpu")
+    cpu = cpu_clf.predict_same_proba(PAIRS)
     gpu_clf = ContinuityClassifier.load(device="cuda")
-    assert gpu_clf.use_bf16
-    gpu = gpu_clf.predict_same_proba(pairs, batch_size=32)
+    assert not gpu_clf.use_bf16 and gpu_clf.version == cpu_clf.version
+    gpu = gpu_clf.predict_same_proba(PAIRS, batch_size=32)
     assert gpu.dtype == np.float32
-    np.testing.assert_allclose(gpu, cpu, atol=0.05)
+    np.testing.assert_allclose(gpu, cpu, atol=1e-4)
+    np.testing.assert_array_equal(gpu < cpu_clf.threshold, cpu < cpu_clf.threshold)
+
+
+def test_cuda_bf16_stays_close_and_says_so_in_its_version():
+    from qumem_pipeline.episodes.continuity import ContinuityClassifier
+
+    cpu_clf = ContinuityClassifier.load(device="cpu")
+    gpu_clf = ContinuityClassifier.load(device="cuda", precision="bf16")
+    assert gpu_clf.use_bf16 and gpu_clf.version == cpu_clf.version + "+bf16"
+    np.testing.assert_allclose(gpu_clf.predict_same_proba(PAIRS, batch_size=32), cpu_clf.predict_same_proba(PAIRS), atol=0.05)

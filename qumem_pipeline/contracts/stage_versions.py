@@ -217,9 +217,12 @@ def classifier_version(artifact_dir: str | None = None) -> str:
     cfg = adir / "config.json"
     try:
         st = cfg.stat()
-        return _read_version_field(str(cfg), st.st_mtime_ns, st.st_size)
+        version = _read_version_field(str(cfg), st.st_mtime_ns, st.st_size)
     except (OSError, ValueError, KeyError) as e:
         raise RuntimeError(f"continuity classifier artifact {cfg}: cannot read its `version` ({e})") from e
+    from qumem_pipeline.episodes.continuity.decoding import version_with_precision  # numpy + json only
+
+    return version_with_precision(version)
 
 
 @functools.lru_cache(maxsize=64)

@@ -36,6 +36,7 @@ import numpy as np
 import polars as pl
 
 from qumem_pipeline.index.embeddings import embeddings_matrix
+from qumem_pipeline.index.faiss_build import build_index, gpu_available, gpu_resources, new_index
 from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.contracts.stage_versions import stage_version
 from qumem_pipeline.storage.layout import DataLayout
@@ -92,31 +93,6 @@ def assign_ids(memory_ids: Sequence[str]) -> np.ndarray:
     return ids
 
 
-# ---------------------------------------------------------------------------------------- GPU
-
-_GPU_LOCK = threading.Lock()
-_GPU_RES = None
-
-
-def gpu_available() -> bool:
-    """faiss was built with GPU support and sees at least one GPU."""
-    if not hasattr(faiss, "StandardGpuResources"):
-        return False
-    try:
-        return faiss.get_num_gpus() > 0
-    except Exception:
-        return False
-
-
-def gpu_resources():
-    """One StandardGpuResources per process, reused by every build."""
-    global _GPU_RES
-    with _GPU_LOCK:
-        if _GPU_RES is None:
-            _GPU_RES = faiss.StandardGpuResources()
-        return _GPU_RES
-
-
 # ---------------------------------------------------------------------------------------- index
 
 @dataclass
@@ -136,27 +112,6 @@ class TypeIndex:
     @property
     def ntotal(self) -> int:
         return int(self.index.ntotal)
-
-
-def _new_index(dim: int) -> faiss.IndexIDMap2:
-    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-
-
-def build_index(vectors: np.ndarray, ids: np.ndarray, dim: int, use_gpu: bool | None = None) -> tuple[faiss.Index, str]:
-    """An IndexIDMap2(IndexFlatIP) holding the vectors; returns (CPU index, 'gpu'|'cpu')."""
-    vectors = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, dim)
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    if use_gpu is None:
-        use_gpu = gpu_available()
-    if use_gpu and len(ids):
-        res = gpu_resources()
-        gpu = faiss.index_cpu_to_gpu(res, 0, _new_index(dim))
-        gpu.add_with_ids(vectors, ids)
-        return faiss.index_gpu_to_cpu(gpu), "gpu"
-    index = _new_index(dim)
-    if len(ids):
-        index.add_with_ids(vectors, ids)
-    return index, "cpu"
 
 
 @dataclass
@@ -302,7 +257,7 @@ def _user_indexes(user_id: str, idmap: pl.DataFrame | None, stored_rows: pl.Data
         by_type[t] = TypeIndex(t, index, stored, mids, pos)
     for t in MEMORY_TYPES:  # a type with no index and no rows: an empty index
         if t not in by_type:
-            by_type[t] = TypeIndex(t, _new_index(dim or 384), np.zeros(0, np.int64), [], np.zeros(0, np.int64))
+            by_type[t] = TypeIndex(t, new_index(dim or 384), np.zeros(0, np.int64), [], np.zeros(0, np.int64))
     return UserIndexes(user_id, dim or 384, models[0] if models else None, by_type)
 
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -374,3 +375,20 @@ def rule_of(classifier) -> DecisionRule:
     """A classifier's decision rule; an object with only a ``threshold`` gets the plain rule."""
     rule = getattr(classifier, "rule", None)
     return rule if rule is not None else as_rule(classifier.threshold)
+
+
+# ------------------------------------------------------------------------------ precision
+PRECISIONS = ("fp32", "bf16")
+
+
+def classifier_precision(precision: str | None = None) -> str:
+    """fp32 (default) or bf16 (CUDA only: autocast), from the argument or `QUMEM_CLASSIFIER_PRECISION`."""
+    p = (precision or os.environ.get("QUMEM_CLASSIFIER_PRECISION") or "fp32").strip().lower()
+    if p not in PRECISIONS:
+        raise ValueError(f"QUMEM_CLASSIFIER_PRECISION={p!r}: expected one of {PRECISIONS}")
+    return p
+
+
+def version_with_precision(version: str, precision: str | None = None) -> str:
+    """bf16 can move a decision next to the threshold, so it is part of the version rows carry."""
+    return version + "+bf16" if classifier_precision(precision) == "bf16" else version

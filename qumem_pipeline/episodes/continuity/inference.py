@@ -3,8 +3,10 @@
 One forward per pair. Pairs are tokenised once (fast tokenizer, no padding), sorted by token length,
 cut into batches, padded only to the longest pair of each batch, run under ``torch.inference_mode()``
 and scattered back into input order. LoRA is merged into the base weights at load time, so a batch
-costs exactly one plain MiniLM forward. CUDA (bf16 autocast) when available, else CPU float32: the
-same code path.
+costs exactly one plain MiniLM forward. CUDA when available, else CPU: the same code path, float32 on
+both by default, so a GPU host and a CPU host cut the same episodes (bf16 autocast on CUDA moved P(same)
+by up to 0.0033 on an H200 and flipped 22 of 4,096 threshold decisions: docs/operating.md#gpu-check;
+`QUMEM_CLASSIFIER_PRECISION=bf16` opts into it, and the classifier version then says so).
 
 When the artifact's decision rule uses similarity dips (:mod:`.decoding`, step 4), the base MiniLM
 sentence encoder is loaded beside the classifier (:mod:`.similarity`) and :meth:`pair_cosine` gives
@@ -23,7 +25,9 @@ import torch
 
 from qumem_pipeline.runtime.batching import length_buckets, pad_batch
 from qumem_pipeline.episodes.continuity.base import base_model_dir, base_weights_sha256, load_tokenizer
-from qumem_pipeline.episodes.continuity.decoding import DecisionRule, version_of_config
+from qumem_pipeline.episodes.continuity.decoding import (
+    DecisionRule, classifier_precision, version_of_config, version_with_precision,
+)
 from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine, history_embeddings, pair_cosine
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
 
@@ -66,7 +70,7 @@ class ContinuityClassifier:
     """A loaded continuity model. Use :meth:`load`; then :meth:`predict_same_proba`."""
 
     def __init__(self, net: ContinuityNet, tokenizer, config: dict, device: torch.device,
-                 version: str, rule: DecisionRule):
+                 version: str, rule: DecisionRule, precision: str | None = None):
         self.net = net
         self.tokenizer = tokenizer
         self.config = config
@@ -75,7 +79,8 @@ class ContinuityClassifier:
         self.rule = rule  # how P(same) becomes boundaries: the artifact's dev-chosen decision rule
         self.threshold = float(rule.threshold)
         self.max_len = int(net.cfg.max_len)
-        self.use_bf16 = device.type == "cuda"
+        self.precision = classifier_precision(precision)
+        self.use_bf16 = device.type == "cuda" and self.precision == "bf16"
         self.pad_to_multiple = 8 if device.type == "cuda" else 1
         self._encoder = None  # the base sentence encoder (:meth:`sentence_encoder`)
         if rule.needs_similarity:
@@ -87,7 +92,7 @@ class ContinuityClassifier:
     @classmethod
     def load(cls, artifact_dir: str | os.PathLike | None = None,
              device: str | torch.device | None = None, verify_base: bool = True,
-             verify_version: bool = True) -> "ContinuityClassifier":
+             verify_version: bool = True, precision: str | None = None) -> "ContinuityClassifier":
         """``verify_version=False``: accept a stored version that no longer matches the config's rule
         (only for the tool that rewrites it, :mod:`.tune_decoding`); the version is then the derived one."""
         from safetensors.torch import load_file
@@ -114,7 +119,8 @@ class ContinuityClassifier:
         dev = resolve_device(device)
         net.to(dev)
         version = version_of_config(config if verify_version else {k: v for k, v in config.items() if k != "version"})
-        return cls(net, load_tokenizer(), config, dev, version, DecisionRule.from_config(config))
+        return cls(net, load_tokenizer(), config, dev, version_with_precision(version, precision),
+                   DecisionRule.from_config(config), precision)
 
     # ------------------------------------------------------------------------------------
     def prepare(self, pairs: Sequence[tuple[str, str]], batch_size: int):
