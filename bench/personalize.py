@@ -127,7 +127,7 @@ def write_queries(path: Path, users: list[str], n: int, per_user: int, rng) -> N
                                 "as_of_turn": int(rng.integers(1, 2 * per_user))}) + "\n")
 
 
-def one_at_a_time(root: Path, source: Path, sample: int, backend, embedder, seed: int) -> dict:
+def one_at_a_time(root: Path, source: Path, sample: int, backend, embedder, seed: int, strategy_name: str) -> dict:
     """Each sampled query alone through the strategy, over tables loaded beforehand (not timed)."""
     layout = DataLayout(root)
     valid, _ = read_queries(source)
@@ -137,7 +137,7 @@ def one_at_a_time(root: Path, source: Path, sample: int, backend, embedder, seed
     users = sorted(set(picked["user_id"].to_list()))
     turns = layout.read_users("turns", users)
     mems = layout.read_table("memories", users)
-    strategy = get_strategy("qumem")
+    strategy = get_strategy(strategy_name)
     retriever = retriever_for(strategy, layout, users, turns, mems, embedder)
     queries = to_queries(picked, turns)
     retriever.retrieve([(q.user_id, [(q.query, ["fact"])], q.as_of_position) for q in queries[:1]], 1)  # warm
@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-rows", type=int, default=10_000)
     ap.add_argument("--fake-embedder", action="store_true", help="random vectors instead of MiniLM")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strategy", default="qumem", choices=("qumem", "topk"),
+                    help="the same on every path; the fake server's script answers these (the bench builds no memory graph)")
     ap.add_argument("--smoke", action="store_true", help="4 users, 24 queries, 6 sampled")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(args.seed)
     work = Path(tempfile.mkdtemp(prefix="bench-personalize-"))
-    out: dict = {"users": args.users, "queries": args.queries, "memories_per_user": args.memories_per_user,
+    out: dict = {"strategy": args.strategy, "users": args.users, "queries": args.queries, "memories_per_user": args.memories_per_user,
                  "chunk_rows": args.chunk_rows, "embedder": "fake" if args.fake_embedder else "all-MiniLM-L6-v2",
                  "build_method": "tables written directly through the product's writers (not the main job)"}
     try:
@@ -197,12 +199,13 @@ def main(argv=None) -> int:
             # warm-up (not measured): a first request, the embedder's first encode, faiss
             warm = work / "warm.jsonl"
             warm.write_text("".join(source.read_text().splitlines(keepends=True)[:8]))
-            personalize_batch(DataLayout(fresh("warm")), str(warm), backend, embedder, batch_id="warm", chunk_rows=4)
+            personalize_batch(DataLayout(fresh("warm")), str(warm), backend, embedder, batch_id="warm", chunk_rows=4,
+                              strategy=args.strategy)
             # the domain core, with the warehouse export the job also does
             root = fresh("core")
             t = time.perf_counter()
             rep = personalize_batch(DataLayout(root), str(source), backend, embedder, batch_id="bench",
-                                    chunk_rows=args.chunk_rows, warehouse=Warehouse(root / "warehouse.duckdb"))
+                                    chunk_rows=args.chunk_rows, strategy=args.strategy, warehouse=Warehouse(root / "warehouse.duckdb"))
             core_wall = time.perf_counter() - t
             out["batched"] = {"wall_s": round(core_wall, 3), "qps": round(rep.answered / core_wall, 2),
                               "answering_s": round(rep.seconds_answering, 3), "answered": rep.answered,
@@ -215,7 +218,8 @@ def main(argv=None) -> int:
             home.mkdir()
             instance = product_instance(home)
             resources = {"pipeline": PipelineConfig(data_root=str(root), archive_path=str(root),
-                                                    warehouse_path=str(root / "warehouse.duckdb")),
+                                                    warehouse_path=str(root / "warehouse.duckdb"),
+                                                    query_strategy=args.strategy),
                          "llm": llm, "embedder": EmbedderResource(device="cpu")}
             if args.fake_embedder:
                 import resources.models as rm
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
             out["orchestration_overhead_in_run"] = round((job_wall - job_rep["seconds"] - export_s) / job_wall, 4)
             out["overhead_target"] = 0.10
             # one query at a time, same run, same server
-            one = one_at_a_time(work / "core", source, args.one_at_a_time, backend, embedder, args.seed)
+            one = one_at_a_time(work / "core", source, args.one_at_a_time, backend, embedder, args.seed, args.strategy)
             one["extrapolated_wall_s"] = round(args.queries / one["qps"], 1)
             out["one_at_a_time"] = one
             out["speedup_throughput"] = round(out["batched"]["qps"] / one["qps"], 2)

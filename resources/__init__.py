@@ -21,6 +21,7 @@ from qumem_pipeline.storage.forget import ForgetRegistry
 from qumem_pipeline.ingest.archive import ArchiveConfig
 from qumem_pipeline.storage.layout import DataLayout
 from qumem_pipeline.ingest.validate import DEFAULT_MAX_TEXT_CHARS
+from qumem_pipeline.query.strategies.registry import DEFAULT_STRATEGY, default_strategy
 from qumem_pipeline.storage.warehouse import Warehouse, default_warehouse_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ class PipelineConfig(dg.ConfigurableResource):
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
     max_quarantine_fraction: float = 0.2  # blocking check: more bad rows than this stops the run
     queries_path: str = ""  # personalization queries (JSONL/Parquet); "" = none this run
-    query_strategy: str = "qumem"  # qumem (three agents) | topk (single top-k baseline) | adamem
+    query_strategy: str = DEFAULT_STRATEGY  # adamem | qumem (three agents) | qumem_hybrid | topk (baseline)
     retrieval_k: int = 5
     respond: bool = False  # also generate a personalized answer Ψ(q, Z_q)
 
@@ -112,7 +113,7 @@ def local_resources() -> dict:
             strict=_strict(),
             max_quarantine_fraction=_max_quarantine_fraction(),
             queries_path=_env("QUMEM_QUERIES", str(EXAMPLE_QUERIES)),
-            query_strategy=_env("QUMEM_QUERY_STRATEGY", "qumem"),
+            query_strategy=_env("QUMEM_QUERY_STRATEGY", default_strategy(_env("QUMEM_LLM_KIND", "local"))),
             respond=_env("QUMEM_RESPOND", "0") == "1",
         ),
     }
@@ -129,7 +130,7 @@ def production_resources() -> dict:
             strict=_strict(),  # quarantine, as locally; strict only when a run asks for it
             max_quarantine_fraction=_max_quarantine_fraction(),
             queries_path=_env("QUMEM_QUERIES", ""),
-            query_strategy=_env("QUMEM_QUERY_STRATEGY", "qumem"),
+            query_strategy=_env("QUMEM_QUERY_STRATEGY", default_strategy(_env("QUMEM_LLM_KIND", "openai"))),
         ),
     }
 

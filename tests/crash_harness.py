@@ -46,9 +46,10 @@ def write_archive(directory: Path) -> Path:
 
 
 def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout: float = 300,
-                 data_root: str | None = None) -> subprocess.CompletedProcess:
+                 data_root: str | None = None, strategy: str = "qumem") -> subprocess.CompletedProcess:
     """`qumem run` over the archive in `work`, data under `work/data` (or `data_root`, e.g. s3://),
-    Dagster home `work/home`."""
+    Dagster home `work/home`. `strategy`: qumem by default, the one whose three agents the callers'
+    fake servers script (the product default runs in tests/test_dagster_pipeline.py and test_adamem_assets.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUMEM_")}
     env.update({
         "PYTHONPATH": str(REPO_ROOT), "DAGSTER_HOME": str(work / "home"), "HF_HUB_OFFLINE": "1",
@@ -56,7 +57,7 @@ def run_pipeline(work: Path, base_url: str, kill_at: str | None = None, timeout:
         # the fake server's model: named, so the stage versions do not depend on the server's port
         "QUMEM_LLM_MODEL": "fake-model",
         "QUMEM_QUERIES": str(work / "archive" / "queries.jsonl"),
-        "QUMEM_DEVICE": "cpu",
+        "QUMEM_DEVICE": "cpu", "QUMEM_QUERY_STRATEGY": strategy,
     })
     if os.environ.get("QUMEM_CACHE_DIR"):
         env["QUMEM_CACHE_DIR"] = os.environ["QUMEM_CACHE_DIR"]

@@ -11,6 +11,7 @@ import duckdb
 import polars as pl
 import pytest
 
+from qumem_pipeline.query.strategies.registry import default_strategy
 from qumem_pipeline.storage.layout import DataLayout
 from tests.conftest import conversation, write_jsonl
 
@@ -167,6 +168,9 @@ TABLE_STAGE = {"turns": "turns", "quarantine": "turns", "fingerprints": "turns",
                "persona_profiles": "persona_profiles", "memory_graph_nodes": "memory_graph",
                "memory_graph_edges": "memory_graph", "query_states": "query_states", "query_quarantine": "query_states",
                "indexes": "memory_indexes"}
+# the query stage's LLM ledger stages of each strategy (this module runs the embedded model's default)
+QUERY_STAGES = {"qumem": {"a1", "a2", "a3"}, "qumem_hybrid": {"a1", "a2", "a3"}, "adamem": {"research", "qa"}}
+
 # Operational tables of the store, not stage output: the forgotten-user registry and ingest's bookkeeping.
 NOT_STAGE_TABLES = {"forgotten_users", "warehouse_locations", "ingest_manifest", "ingest_file_users", "turn_duplicates"}
 
@@ -197,7 +201,7 @@ def test_every_table_carries_its_stage_code_version(pipeline_run):
         # each stage's rows carry the code version of the asset that paid for them
         writer = {"decompose": "memories", "persona_merge": "persona_profiles"}
         by_stage = con.execute("SELECT stage, list(DISTINCT code_version) FROM llm_ledger GROUP BY stage").fetchall()
-        assert {"decompose", "a1", "a2", "a3"} <= {s for s, _ in by_stage}, by_stage
+        assert {"decompose", *QUERY_STAGES[default_strategy("local")]} <= {s for s, _ in by_stage}, by_stage
         for stage, versions in by_stage:
             assert versions == [asset_versions[writer.get(stage, "query_states")]], stage
 
@@ -210,14 +214,21 @@ def test_warehouse_holds_every_stage(pipeline_run):
             ("alice", 4), ("bob", 4), ("chen", 2)]
         assert con.execute("SELECT field FROM quarantine WHERE user_id = 'bob' ORDER BY 1").fetchall() == [("(line)",), ("role",)]
         assert con.execute("SELECT count(*) FROM quarantine WHERE user_id IS NULL").fetchone()[0] == 0
-        # citations of query states resolve to memories and evidence turns of the same user
+        # citations of query states resolve to the same user's memories, turns (`turn:N`: AdaMem's session
+        # turns) or persona profiles (`profile:ID`)
         assert "query_states" in tables
         assert con.execute("SELECT user_id, query_id FROM query_states").fetchall() == [("bob", "q-bob")]
+        cited = con.execute("SELECT count(*) FROM (SELECT unnest(cited_memory_ids) FROM query_states)").fetchone()[0]
         bad = con.execute("""
-            SELECT count(*) FROM (SELECT user_id, unnest(cited_memory_ids) AS mid FROM query_states) q
-            LEFT JOIN memories m ON m.memory_id = q.mid AND m.user_id = q.user_id WHERE m.memory_id IS NULL
+            WITH c AS (SELECT user_id, unnest(cited_memory_ids) AS mid FROM query_states)
+            SELECT count(*) FROM c WHERE NOT (
+                EXISTS (SELECT 1 FROM memories m WHERE m.memory_id = c.mid AND m.user_id = c.user_id)
+                OR (c.mid LIKE 'turn:%' AND EXISTS (SELECT 1 FROM turns t WHERE t.user_id = c.user_id
+                                                    AND t.turn_index = TRY_CAST(substr(c.mid, 6) AS BIGINT)))
+                OR (c.mid LIKE 'profile:%' AND EXISTS (SELECT 1 FROM persona_profiles p WHERE p.user_id = c.user_id
+                                                       AND p.profile_id = substr(c.mid, 9))))
         """).fetchone()[0]
-        assert bad == 0
+        assert cited > 0 and bad == 0, (cited, bad)
 
 
 def test_no_output_of_one_user_references_another(pipeline_run):
@@ -249,8 +260,11 @@ def test_no_output_of_one_user_references_another(pipeline_run):
         assert qs is not None and qs["query_id"].to_list() == ["q-bob"]
         row = qs.row(0, named=True)
         assert row["candidates"], "bob has memories, so retrieval must return candidates"
-        assert {c["memory_id"] for c in row["candidates"]} <= mem_ids[u]
-        assert set(row["cited_memory_ids"]) <= mem_ids[u] and set(row["cited_turn_ids"]) <= turn_ids
+        profiles = read("persona_profiles", u)
+        own = mem_ids[u] | {f"turn:{i}" for i in turn_ids} | (
+            set() if profiles is None else {f"profile:{p}" for p in profiles["profile_id"]})
+        assert {c["memory_id"] for c in row["candidates"]} <= own
+        assert set(row["cited_memory_ids"]) <= own and set(row["cited_turn_ids"]) <= turn_ids
     assert sum(map(len, mem_ids.values())) > 0, "the real model produced no memories: isolation proven on nothing"
     assert not (mem_ids["alice"] & mem_ids["bob"] or mem_ids["alice"] & mem_ids["chen"] or mem_ids["bob"] & mem_ids["chen"])
 

@@ -71,7 +71,8 @@ def isolated_run(tmp_path_factory):
         for u in USERS])
     with RunningFakeServer(SCRIPT, tmp / "llm") as srv, pytest.MonkeyPatch.context() as mp:
         for k, v in {"QUMEM_DATA_ROOT": tmp / "data", "QUMEM_ARCHIVE": tmp / "archive", "QUMEM_QUERIES": queries,
-                     "QUMEM_LLM_KIND": "openai", "QUMEM_LLM_BASE_URL": srv.base_url}.items():
+                     "QUMEM_LLM_KIND": "openai", "QUMEM_LLM_BASE_URL": srv.base_url,
+                     "QUMEM_QUERY_STRATEGY": "qumem"}.items():  # SCRIPT answers QUMem's three agents
             mp.setenv(k, str(v))
         mp.delenv("QUMEM_WAREHOUSE", raising=False)
         import assets.definitions as d

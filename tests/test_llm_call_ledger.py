@@ -158,7 +158,9 @@ def resources():
     from resources.models import EmbedderResource, LLMResource
 
     def make(root, srv, **pipeline):
-        return {"pipeline": PipelineConfig(data_root=str(root), archive_path=str(root), **pipeline),
+        # qumem unless a test says otherwise: these scripts answer QUMem's three agents
+        return {"pipeline": PipelineConfig(data_root=str(root), archive_path=str(root),
+                                           **{"query_strategy": "qumem", **pipeline}),
                 "llm": LLMResource(kind="openai", base_url=srv.base_url, model="fake-model"),
                 "embedder": EmbedderResource(device="cpu")}
     return make

@@ -21,6 +21,7 @@ import polars as pl
 import pytest
 
 from fake_openai_server import RunningFakeServer
+from qumem_pipeline.query.strategies.registry import DEFAULT_STRATEGY
 from qumem_pipeline.storage.layout import DataLayout
 from tests import adamem_data as data
 from tests.conftest import REPO_ROOT, conversation, write_jsonl
@@ -33,6 +34,11 @@ RULES = [
     {"match": "retrieval-planning agent", "responses": [{"json": {"queries": [{"query": "adoption", "stores": ["fact"]}]}}]},
     {"match": "user-state inference agent", "responses": [{"json": A3_STATE}]},
     {"match": "persona profile", "responses": [{"json": {"aspect": "sport", "summary": "Swims."}}]},
+    # AdaMem's (the product default's) research round and working answer
+    {"match": "research agent", "responses": [{"json": {"facts": [{"statement": "Swims now.", "memory_ids": ["M1"]}],
+                                                        "preference_trajectory": [], "insights": [], "sufficient": True,
+                                                        "follow_up": ""}}]},
+    {"match": "working agent", "responses": [{"json": {"answer": "Swim three mornings a week."}}]},
 ]
 SCRIPT = {"model": "fake-model", "rules": RULES, "default": [{"echo_memory": True}]}
 
@@ -75,7 +81,8 @@ def personalize(layout, source, srv, **kw):
 
     backend = LLMResource(kind="openai", base_url=srv.base_url, model="fake-model")._build()
     try:
-        return personalize_batch(layout, str(source), backend, _embedder("cpu"), **kw)
+        # qumem: the tables here are built without the memory graph AdaMem needs, and RULES script QUMem's agents
+        return personalize_batch(layout, str(source), backend, _embedder("cpu"), **{"strategy": "qumem", **kw})
     finally:
         getattr(backend, "close", lambda: None)()
 
@@ -129,7 +136,9 @@ def test_cli_personalize_after_the_main_job(tmp_path):
 
     assert report["batch_id"] == again["batch_id"] == batch_digest(str(batch))  # default id: the content digest
     assert report["answered"] == 2 and report["quarantined_input"] == 1 and report["quarantined_user"] == 1
-    assert sent == report["llm_calls_sent"] == 6 and report["llm_calls_replayed"] == 0  # A1, A2, A3 per answered query
+    # the product default (AdaMem's strategy): one research round (sufficient) and the working answer per query
+    assert report["strategy"] == DEFAULT_STRATEGY == "adamem"
+    assert sent == report["llm_calls_sent"] == 4 and report["llm_calls_replayed"] == 0
     assert again["answered"] == 0 and again["already_done"] == 3 and again["llm_calls"] == 0
     layout = DataLayout(work / "data")
     states = rows(layout, "personalization")
@@ -139,12 +148,12 @@ def test_cli_personalize_after_the_main_job(tmp_path):
     # the job stage's own version (the child's LLM settings are part of it), the model that answered
     assert states["code_version"].n_unique() == 1 and states["code_version"][0].startswith("personalization@")
     assert set(states["model"]) == {"fake-model"} and report["code_version"] == states["code_version"][0]
-    assert states["source_row"].to_list() == [1, 2] and set(states["strategy"]) == {"qumem"}
+    assert states["source_row"].to_list() == [1, 2] and set(states["strategy"]) == {"adamem"}
     q = rows(layout, "personalization_quarantine", "source_row")
     assert q.select("source_row", "query_id", "stage", "field").rows() == [(3, "b3", "input", "as_of"),
                                                                             (4, "b4", "user", "user_id")]
     assert "unparseable as_of" in q["reason"][0] and "no history" in q["reason"][1]
-    assert rows(layout, "personalization_llm_ledger", "request_id").height == 6
+    assert rows(layout, "personalization_llm_ledger", "request_id").height == 4
     # the warehouse holds the batch, and `qumem export` writes it with the other tables
     con = duckdb.connect(str(work / "data" / "warehouse.duckdb"), read_only=True)
     try:
@@ -278,7 +287,8 @@ def test_the_dagster_job_with_run_config(root, tmp_path):
     with RunningFakeServer(script(), tmp_path / "srv") as srv:
         result = personalize_job.execute_in_process(
             run_config=run_config(str(src), "nightly-1"), instance=dg.DagsterInstance.ephemeral(),
-            resources={"pipeline": PipelineConfig(data_root=str(root), archive_path=str(root), warehouse_path=str(wh)),
+            resources={"pipeline": PipelineConfig(data_root=str(root), archive_path=str(root), warehouse_path=str(wh),
+                                                  query_strategy="qumem"),
                        "llm": LLMResource(kind="openai", base_url=srv.base_url, model="fake-model"),
                        "embedder": EmbedderResource(device="cpu")})
     assert result.success

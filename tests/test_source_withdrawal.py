@@ -127,7 +127,8 @@ def test_withdrawn_file_empties_the_user_everywhere_on_the_next_nightly(tmp_path
     with RunningFakeServer(SCRIPT, tmp_path / "llm") as srv, pytest.MonkeyPatch.context() as mp, \
             local_instance(tmp_path / "home") as instance:
         for k, v in {"QUMEM_DATA_ROOT": root, "QUMEM_ARCHIVE": archive, "QUMEM_QUERIES": queries, "QUMEM_DEVICE": "cpu",
-                     "QUMEM_LLM_KIND": "openai", "QUMEM_LLM_BASE_URL": srv.base_url}.items():
+                     "QUMEM_LLM_KIND": "openai", "QUMEM_LLM_BASE_URL": srv.base_url,
+                     "QUMEM_QUERY_STRATEGY": "qumem"}.items():  # SCRIPT answers QUMem's three agents
             mp.setenv(k, str(v))
         mp.delenv("QUMEM_WAREHOUSE", raising=False)
         import assets.definitions as d

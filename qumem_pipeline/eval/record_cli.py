@@ -33,6 +33,7 @@ from qumem_pipeline.eval.record import REPO_ROOT, EvalRecord, default_root
 # of a run's own calls) may change without the table changing
 QA_FIELDS = ("dataset", "model", "strategies", "n_scored", "n_questions", "n_questions_adversarial",
              "questions_by_category", "words_budget", "f1_vs_topk_turns", "f1_vs_qumem", "skipped")
+QA_OPTIONAL_FIELDS = ("f1_vs_adamem",)
 QA_STRATEGY_FIELDS = ("f1", "bleu1", "n", "per_category", "adversarial", "no_answer", "state_failed",
                       "not_answered", "mean_context_words")
 RECALL_FIELDS = ("retrieval", "retrieval_by_scoring", "retrieval_with_adversarial", "per_category", "strategies",
@@ -44,6 +45,9 @@ def figures(report: dict) -> dict:
     if "qa" in report:
         out = {k: report.get(k) for k in QA_FIELDS}
         out["qa"] = {s: {k: v.get(k) for k in QA_STRATEGY_FIELDS} for s, v in report["qa"].items()}
+        for k in QA_OPTIONAL_FIELDS:  # only where the run had that baseline
+            if report.get(k):
+                out[k] = report[k]
     else:
         out = {k: report[k] for k in RECALL_FIELDS if k in report}
     rp = report.get("replay") or {}

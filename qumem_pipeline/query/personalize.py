@@ -44,7 +44,7 @@ from qumem_pipeline.query.batch_input import DEFAULT_CHUNK_ROWS, batch_digest, d
 from qumem_pipeline.query.queries import to_queries, validate_query_records
 from qumem_pipeline.query.retrievers import retriever_for
 from qumem_pipeline.query.strategies.base import STATE_SCHEMA
-from qumem_pipeline.query.strategies.registry import get_strategy
+from qumem_pipeline.query.strategies.registry import DEFAULT_STRATEGY, get_strategy
 from qumem_pipeline.storage.layout import DataLayout
 from qumem_pipeline.storage.table_store import KEY, PLACEHOLDER, STORE_COLUMNS
 
@@ -246,7 +246,7 @@ def personalize_batch(
     *,
     batch_id: str | None = None,
     fmt: str | None = None,
-    strategy: str = "qumem",
+    strategy: str = DEFAULT_STRATEGY,
     k: int | None = None,
     respond: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,

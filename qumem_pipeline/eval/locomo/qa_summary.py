@@ -104,6 +104,8 @@ def build_report(selected: Sequence[QAQuestion], run: Sequence[str], done: dict,
         "f1_vs_topk_turns": paired_against(selected, run, done),
         # the product's strategy against each other one: its changes (qumem_hybrid) and the top-k baselines
         "f1_vs_qumem": paired_against(selected, run, done, baseline="qumem"),
+        # AdaMem's strategy against the others: which of the candidates for the product default is ahead
+        "f1_vs_adamem": paired_against(selected, run, done, baseline="adamem"),
     }
 
 
@@ -124,7 +126,7 @@ def format_table(report: dict) -> str:
                      + "".join(f"{f(pc.get(c, {}).get('f1')):>8}" for c in cats)
                      + f"{f(v['adversarial']['abstain']):>9}{v['n'] + v['adversarial']['n']:>5}"
                      + f"{(v['mean_context_words'] or 0):>10.0f}")
-    for baseline in (PAIRED_BASELINE, "qumem"):
+    for baseline in (PAIRED_BASELINE, "qumem", "adamem"):
         paired = report.get(f"f1_vs_{baseline}") or {}
         if not paired:
             continue

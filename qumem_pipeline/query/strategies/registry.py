@@ -19,6 +19,17 @@ from qumem_pipeline.query.strategies.topk import TopKStrategy
 _STRATEGIES: dict[str, QueryStrategy] = {s.name: s for s in (QumemStrategy(), TopKStrategy(), AdaMemStrategy(), QumemHybridStrategy())}
 STRATEGY_NAMES: tuple[str, ...] = tuple(_STRATEGIES)
 
+# The deployment's strategy unless QUMEM_QUERY_STRATEGY says otherwise (docs/evaluation.md#the-default-strategy):
+# with a served model, the best on the evaluation record (AdaMem's: level with qumem_hybrid in F1, fewer calls);
+# with the embedded 135M model, QUMem's three agents, whose states cite their evidence where AdaMem's rarely do.
+DEFAULT_STRATEGY = "adamem"
+EMBEDDED_MODEL_STRATEGY = "qumem"
+
+
+def default_strategy(llm_kind: str) -> str:
+    """The default for a deployment whose LLM backend is `llm_kind` (`local`: the embedded model)."""
+    return EMBEDDED_MODEL_STRATEGY if llm_kind == "local" else DEFAULT_STRATEGY
+
 
 def get_strategy(name: str) -> QueryStrategy:
     try:
