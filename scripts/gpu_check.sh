@@ -5,11 +5,13 @@
 #     bash scripts/gpu_check.sh            # exit 0: agreed, or "skipped: no CUDA"; 1: mismatch; 2: could not run
 #
 # Python: $QUMEM_GPU_PYTHON, else the first of python3 / .venv/bin/python whose torch sees CUDA, else
-# .venv/bin/python (or python3), which then reports "skipped: no CUDA". Carried beside the checkout
-# (64 MiB at most, docs/operating.md#gpu-check): .cache/gpu_check (the fp16 base model, made by
-# `.venv/bin/python scripts/gpu_check.py --prepare-carry`), and optionally .whl/*.whl (wheels
-# installed into a temporary target, never into the interpreter). Whole run bounded by
-# $QUMEM_GPU_CHECK_TIMEOUT seconds (default 540: inside a 10-minute limit).
+# .venv/bin/python (or python3), which then reports "skipped: no CUDA". Carried beside the checkout (64 MiB at
+# most a call, docs/operating.md#gpu-check), one per call:
+#   .cache/gpu_check        the fp16 base model (`.venv/bin/python scripts/gpu_check.py --prepare-carry`): --checks classifier
+#   .cache/gpu_check_faiss  faiss-gpu pruned to sm_90, CUDA 12 runtime, cuBLAS-12 shim
+#                           (`bash scripts/gpu_check_prepare_faiss.sh`): --checks faiss
+# and optionally .whl/*.whl (wheels installed into a temporary target, never into the interpreter). Whole run
+# bounded by $QUMEM_GPU_CHECK_TIMEOUT seconds (default 540: inside a 10-minute limit).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 py="${QUMEM_GPU_PYTHON:-}"; cuda=0
