@@ -8,7 +8,7 @@ import pytest
 
 from qumem_pipeline.query.strategies.registry import STRATEGY_NAMES, default_strategy
 
-TABLE = Path(__file__).resolve().parents[1] / "eval_record" / "tables" / "locomo_qa_qwen15b_conv26_conv30_hybrid.json"
+TABLE = Path(__file__).resolve().parents[1] / "eval_record" / "tables" / "locomo_qa_qwen15b_conv26_conv30_all.json"
 
 
 @pytest.mark.parametrize("kind, env, want", [
