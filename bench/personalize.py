@@ -150,7 +150,7 @@ def one_at_a_time(root: Path, source: Path, sample: int, backend, embedder, seed
             "llm_calls_sent": calls.sent}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--users", type=int, default=1000)
     ap.add_argument("--queries", type=int, default=10_000)
@@ -166,13 +166,59 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.users, args.queries, args.memories_per_user, args.one_at_a_time = 4, 24, 4, 6
+    return args
 
-    import dagster as dg
 
+def batched(root: Path, source: Path, backend, embedder, args) -> tuple:
+    """The domain core over the whole batch, with the warehouse export the job also does: (report, wall s, figures)."""
+    t = time.perf_counter()
+    rep = personalize_batch(DataLayout(root), str(source), backend, embedder, batch_id="bench",
+                            chunk_rows=args.chunk_rows, strategy=args.strategy, warehouse=Warehouse(root / "warehouse.duckdb"))
+    wall = time.perf_counter() - t
+    return rep, wall, {"wall_s": round(wall, 3), "qps": round(rep.answered / wall, 2),
+                       "answering_s": round(rep.seconds_answering, 3), "answered": rep.answered,
+                       "chunks": rep.chunks, "llm_calls_sent": rep.llm_calls_sent,
+                       "llm_calls_replayed": rep.llm_calls_replayed, "quarantined": rep.quarantined_input
+                       + rep.quarantined_user + rep.quarantined_llm, "warehouse_rows": rep.warehouse_rows}
+
+
+def dagster_job(root: Path, home: Path, source: Path, llm, embedder, args) -> tuple:
+    """The same batch as the Dagster job on a product instance: (wall s, the export op's report, export step s)."""
     from assets.personalize import personalize_job, run_config
     from bench._instance import drop_instance, product_instance
     from resources import PipelineConfig
-    from resources.models import EmbedderResource, LLMResource, _embedder
+    from resources.models import EmbedderResource
+
+    home.mkdir()
+    instance = product_instance(home)
+    resources = {"pipeline": PipelineConfig(data_root=str(root), archive_path=str(root),
+                                            warehouse_path=str(root / "warehouse.duckdb"), query_strategy=args.strategy),
+                 "llm": llm, "embedder": EmbedderResource(device="cpu")}
+    if args.fake_embedder:
+        import resources.models as rm
+
+        rm._loaded[("embedder", "cpu")] = embedder
+    try:
+        t = time.perf_counter()
+        result = personalize_job.execute_in_process(
+            run_config=run_config(str(source), "bench", chunk_rows=args.chunk_rows), instance=instance, resources=resources)
+        wall = time.perf_counter() - t
+        if not result.success:
+            raise SystemExit("personalize_job failed")
+        stats = instance.get_run_step_stats(result.run_id)
+        export_s = next((s.end_time - s.start_time for s in stats if s.step_key == "export_personalization_op"
+                         and s.end_time is not None and s.start_time is not None), None)
+        if export_s is None:  # no silent 0: it would inflate orchestration_overhead_in_run
+            raise SystemExit("personalize_job: no timed step export_personalization_op in the run's step "
+                             f"stats ({sorted(s.step_key for s in stats)}); orchestration_overhead_in_run cannot be measured")
+        return wall, result.output_for_node("export_personalization_op"), export_s
+    finally:
+        drop_instance(instance, home)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from resources.models import LLMResource, _embedder
 
     rng = np.random.default_rng(args.seed)
     work = Path(tempfile.mkdtemp(prefix="bench-personalize-"))
@@ -201,48 +247,8 @@ def main(argv=None) -> int:
             warm.write_text("".join(source.read_text().splitlines(keepends=True)[:8]))
             personalize_batch(DataLayout(fresh("warm")), str(warm), backend, embedder, batch_id="warm", chunk_rows=4,
                               strategy=args.strategy)
-            # the domain core, with the warehouse export the job also does
-            root = fresh("core")
-            t = time.perf_counter()
-            rep = personalize_batch(DataLayout(root), str(source), backend, embedder, batch_id="bench",
-                                    chunk_rows=args.chunk_rows, strategy=args.strategy, warehouse=Warehouse(root / "warehouse.duckdb"))
-            core_wall = time.perf_counter() - t
-            out["batched"] = {"wall_s": round(core_wall, 3), "qps": round(rep.answered / core_wall, 2),
-                              "answering_s": round(rep.seconds_answering, 3), "answered": rep.answered,
-                              "chunks": rep.chunks, "llm_calls_sent": rep.llm_calls_sent,
-                              "llm_calls_replayed": rep.llm_calls_replayed, "quarantined": rep.quarantined_input
-                              + rep.quarantined_user + rep.quarantined_llm, "warehouse_rows": rep.warehouse_rows}
-            # the same batch as the Dagster job
-            root = fresh("job")
-            home = work / "home"
-            home.mkdir()
-            instance = product_instance(home)
-            resources = {"pipeline": PipelineConfig(data_root=str(root), archive_path=str(root),
-                                                    warehouse_path=str(root / "warehouse.duckdb"),
-                                                    query_strategy=args.strategy),
-                         "llm": llm, "embedder": EmbedderResource(device="cpu")}
-            if args.fake_embedder:
-                import resources.models as rm
-
-                rm._loaded[("embedder", "cpu")] = embedder
-            try:
-                t = time.perf_counter()
-                result = personalize_job.execute_in_process(
-                    run_config=run_config(str(source), "bench", chunk_rows=args.chunk_rows), instance=instance,
-                    resources=resources)
-                job_wall = time.perf_counter() - t
-                if not result.success:
-                    raise SystemExit("personalize_job failed")
-                export_s = next((s.end_time - s.start_time for s in instance.get_run_step_stats(result.run_id)
-                                 if s.step_key == "export_personalization_op"
-                                 and s.end_time is not None and s.start_time is not None), None)
-                if export_s is None:  # no silent 0: it would inflate orchestration_overhead_in_run
-                    steps = sorted(s.step_key for s in instance.get_run_step_stats(result.run_id))
-                    raise SystemExit("personalize_job: no timed step export_personalization_op in the run's step "
-                                     f"stats ({steps}); orchestration_overhead_in_run cannot be measured")
-                job_rep = result.output_for_node("export_personalization_op")
-            finally:
-                drop_instance(instance, home)
+            rep, core_wall, out["batched"] = batched(fresh("core"), source, backend, embedder, args)
+            job_wall, job_rep, export_s = dagster_job(fresh("job"), work / "home", source, llm, embedder, args)
             out["dagster_job"] = {"wall_s": round(job_wall, 3), "answered": job_rep["answered"],
                                   "op_domain_s": round(job_rep["seconds"], 3), "export_step_s": round(export_s, 3),
                                   "llm_calls_sent": job_rep["llm_calls_sent"]}

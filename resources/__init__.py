@@ -103,8 +103,9 @@ def _models(llm_kind: str) -> dict:
 
 def local_resources() -> dict:
     data_root = _env("QUMEM_DATA_ROOT", str(Path.cwd() / "data"))
+    models = _models("local")
     return {
-        **_models("local"),
+        **models,
         "pipeline": PipelineConfig(
             data_root=data_root,
             archive_path=_env("QUMEM_ARCHIVE", str(EXAMPLE_ARCHIVE)),
@@ -113,15 +114,16 @@ def local_resources() -> dict:
             strict=_strict(),
             max_quarantine_fraction=_max_quarantine_fraction(),
             queries_path=_env("QUMEM_QUERIES", str(EXAMPLE_QUERIES)),
-            query_strategy=_env("QUMEM_QUERY_STRATEGY", default_strategy(_env("QUMEM_LLM_KIND", "local"))),
+            query_strategy=_env("QUMEM_QUERY_STRATEGY", default_strategy(models["llm"].kind)),
             respond=_env("QUMEM_RESPOND", "0") == "1",
         ),
     }
 
 
 def production_resources() -> dict:
+    models = _models("openai")  # QUMEM_LLM_BASE_URL: a vLLM server (or a pool behind one URL)
     return {
-        **_models("openai"),  # QUMEM_LLM_BASE_URL: a vLLM server (or a pool behind one URL)
+        **models,
         "pipeline": PipelineConfig(
             data_root=dg.EnvVar("QUMEM_DATA_ROOT"),
             archive_path=dg.EnvVar("QUMEM_ARCHIVE"),
@@ -130,7 +132,7 @@ def production_resources() -> dict:
             strict=_strict(),  # quarantine, as locally; strict only when a run asks for it
             max_quarantine_fraction=_max_quarantine_fraction(),
             queries_path=_env("QUMEM_QUERIES", ""),
-            query_strategy=_env("QUMEM_QUERY_STRATEGY", default_strategy(_env("QUMEM_LLM_KIND", "openai"))),
+            query_strategy=_env("QUMEM_QUERY_STRATEGY", default_strategy(models["llm"].kind)),
         ),
     }
 

@@ -119,6 +119,7 @@ class ContinuityClassifier:
         dev = resolve_device(device)
         net.to(dev)
         version = version_of_config(config if verify_version else {k: v for k, v in config.items() if k != "version"})
+        precision = classifier_precision(precision)  # once: the argument, else QUMEM_CLASSIFIER_PRECISION
         return cls(net, load_tokenizer(), config, dev, version_with_precision(version, precision),
                    DecisionRule.from_config(config), precision)
 
