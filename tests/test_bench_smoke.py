@@ -178,3 +178,22 @@ def test_personalize_smoke():
     # measured, not constants: the overhead follows from the two walls
     want = (got["dagster_job_wall_s"] - got["domain_core_wall_s"]) / got["dagster_job_wall_s"]
     assert abs(got["orchestration_overhead"] - want) < 1e-3 and got["speedup_throughput"] > 0
+
+
+def test_embedded_strategies_one_user():
+    """bench/embedded_strategies.py on one user: the main job on the embedded defaults, then the same queries
+    answered by two strategies from copies of its tables, read back from the `personalization` table."""
+    got = run_bench("bench/embedded_strategies.py", "--users", "bob", "--strategies", "qumem,topk", timeout=1500)
+    assert got["users"] == "bob" and got["queries"] == 2
+    assert got["main_job"]["users"] == 1 and "memories" in got["main_job"]["wall_s_by_stage"]
+    q, t = got["by_strategy"]["qumem"], got["by_strategy"]["topk"]
+    for r in (q, t):
+        assert r["answered"] + r["quarantined_llm"] == 2 and r["states"] == r["answered"]
+        # the shares are counted from the table's rows, not set: they agree with the counts beside them
+        assert r["cited_share"] == round(r["cited_states"] / r["states"], 4)
+        assert r["memory_cited_share"] <= r["cited_share"] and r["resolved_share"] <= r["cited_share"]
+        assert r["answering_s"] > 0 and r["wall_s"] > r["answering_s"]
+    # every call paid on a fresh copy: QUMem's three agents per query, top-k's one
+    assert q["llm_calls_sent"] >= 3 * q["answered"] and t["llm_calls_sent"] >= t["answered"]
+    assert q["answering_ratio_vs_qumem"] == 1.0
+    assert t["answering_ratio_vs_qumem"] == round(t["answering_s"] / q["answering_s"], 3)
