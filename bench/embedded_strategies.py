@@ -78,7 +78,7 @@ def _env(home: Path, strategy: str | None = None, queries: Path = QUERIES) -> di
 def _qumem(args: list[str], env: dict[str, str], cwd: Path) -> dict:
     """Run a `qumem` command; its last stdout line is its JSON report."""
     cmd = [sys.executable, "-m", "qumem_pipeline.cli", *args, "--json"]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(args[:1])} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -115,7 +115,7 @@ def citation_counts(data_root: Path, batch_id: str) -> dict:
         "states": n,
         "cited_states": sum(1 for c in cited if c),
         "cited_share": share(lambda c: True),
-        "memory_cited_share": share(lambda c: any(not (x.startswith("turn:") or x.startswith("profile:")) for x in c)),
+        "memory_cited_share": share(lambda c: any(not x.startswith(("turn:", "profile:")) for x in c)),
         "turn_cited_share": share(lambda c: any(x.startswith("turn:") for x in c)),
         "profile_cited_share": share(lambda c: any(x.startswith("profile:") for x in c)),
         "resolved_share": round(sum(1 for t in turns if t) / n, 4),
