@@ -180,6 +180,7 @@ def test_personalize_smoke():
     assert abs(got["orchestration_overhead"] - want) < 1e-3 and got["speedup_throughput"] > 0
 
 
+@pytest.mark.slow
 def test_embedded_strategies_one_user():
     """bench/embedded_strategies.py on one user: the main job on the embedded defaults, then the same queries
     answered by two strategies from copies of its tables, read back from the `personalization` table."""
