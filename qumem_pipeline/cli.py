@@ -106,9 +106,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> int:
-    from qumem_pipeline.episodes.continuity.train import train
+    from qumem_pipeline.episodes.continuity.train import TrainConfig, train
 
-    train(out_dir=args.out, seed=args.seed)
+    mix = tuple(x for x in args.mix.split(",") if x)
+    train(out_dir=args.out, seed=args.seed,
+          cfg=TrainConfig(mix=mix, cli_args=("--out", args.out, "--seed", str(args.seed), "--mix", ",".join(mix))))
     return 0
 
 
@@ -186,9 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 
-    sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE (reproducible)")
+    sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE train plus other "
+                        "domains' calibration-half dialogues (reproducible; the shipped artifact's recipe)")
     sp.add_argument("--out", default=str(REPO_ROOT / "qumem_pipeline" / "artifacts" / "continuity"))
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--mix", default="ood,gen", help="other domains to train on too: ood (LoCoMo excerpts joined), "
+                    "gen (generated task dialogues); '' = TIAGE alone")
     sp.set_defaults(func=cmd_train_classifier)
     return p
 

@@ -133,3 +133,14 @@ def test_weight_averaging_candidate_is_evaluated_and_loadable(tmp_path):
 
     clf = ContinuityClassifier.load(tmp_path / "art", device="cpu")
     assert clf.predict_same_proba([SAME[0]]).shape == (1,)
+
+
+def test_mixed_domains_join_the_training_pairs_and_the_artifact_says_so():
+    from qumem_pipeline.episodes.continuity.train import mixed_pairs
+
+    pairs = _pairs()
+    cfg = TrainConfig(epochs=1, batch_size=4, max_steps=2, eval_batch_size=8, mix=("gen",),
+                      model=ModelConfig(max_len=32, lora_r=2))
+    res = train(None, seed=0, cfg=cfg, train_pairs=pairs, dev_pairs=pairs, test_pairs=[], log=lambda m: None)
+    assert res["train"]["n_train_pairs"] == len(pairs) + len(mixed_pairs(("gen",)))
+    assert tuple(res["train"]["mix"]) == ("gen",)

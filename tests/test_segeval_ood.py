@@ -160,3 +160,44 @@ def test_sim_threshold_is_chosen_by_pk():
     t = choose_sim_threshold(sims, ds)
     assert 0.305 < t <= 0.6  # separates both boundaries from every continuation
     assert [list((s < t).astype(int)) for s in sims] == [d.boundaries for d in ds]
+
+
+def test_training_dialogues_come_from_calib_sessions_only_and_join_differently(tmp_path):
+    """The classifier may train on `build_ood_train`: every turn of it is from a calib session (never
+    eval's), its excerpts and joins differ from calib's, and the calib/eval halves are unchanged."""
+    p = _locomo_file(tmp_path)
+    built = ood.build_ood(p, seed=3)
+    train = ood.build_ood_train(p, seed=3, rejoin_seed=1)
+    assert train == ood.build_ood_train(p, seed=3, rejoin_seed=1) and train != ood.build_ood_train(p, seed=3, rejoin_seed=2)
+    sessions = {split: {_origin(t)[:2] for r in recs for t in r["utterances"]} for split, recs in built.items()}
+    train_sessions = {_origin(t)[:2] for r in train for t in r["utterances"]}
+    assert train_sessions and train_sessions <= sessions["calib"] and not train_sessions & sessions["eval"]
+    assert {tuple(r["sources"]) for r in train}.isdisjoint({tuple(r["sources"]) for r in built["calib"]})
+    assert all(r["dial_id"].startswith("ood-train-") for r in train)
+    assert parse_segments(train).dialogues  # the training reader takes it
+
+
+def test_generated_training_dialogues_use_calib_domains_only():
+    from qumem_pipeline.episodes.continuity import generated_dialogues as gen
+
+    built = gen.build_generated(seed=0)
+    train = gen.build_generated_train(seed=0, instance_seed=1)
+    calib = {d for r in built["calib"] for d in r["sources"]}
+    evald = {d for r in built["eval"] for d in r["sources"]}
+    used = {d for r in train for d in r["sources"]}
+    assert used <= calib and not used & evald
+    assert train == gen.build_generated_train(seed=0, instance_seed=1)
+    assert [r["utterances"] for r in train] != [r["utterances"] for r in built["calib"]]  # other instances
+
+
+def test_mixed_training_pairs_add_other_domains_to_tiage(tmp_path, monkeypatch):
+    from qumem_pipeline.episodes.continuity import generated_dialogues as gen
+    from qumem_pipeline.episodes.continuity.train import mixed_pairs
+
+    monkeypatch.setattr(ood, "locomo_dev_path", lambda: _locomo_file(tmp_path))
+    o, g = mixed_pairs(("ood",)), mixed_pairs(("gen",))
+    assert len(mixed_pairs(("ood", "gen"))) == len(o) + len(g) and o and g
+    n_bnd = sum(len(r["segments"]) - 1 for r in gen.build_generated_train())
+    assert sum(1 - p.same for p in g) == n_bnd  # every join is a "new event" pair, nothing else is
+    with pytest.raises(ValueError, match="unknown training domains"):
+        mixed_pairs(("multiwoz",))

@@ -300,21 +300,40 @@ def build_generated(seed: int = DEFAULT_SEED, n_dialogues: int = 40) -> dict[str
     out = {}
     for k, split in enumerate(SPLITS):
         domains = [n for n, s in zip(names, side) if s == k]
-        records = []
-        for j in range(n_dialogues):
-            want = int(rng.integers(TASKS_PER_DIALOGUE[0], TASKS_PER_DIALOGUE[1] + 1))
-            parts: list[str] = []
-            for _ in range(want):
-                choices = [x for x in domains if not parts or x != parts[-1]]
-                parts.append(choices[int(rng.integers(len(choices)))])
-            tasks = [task_dialogue(p, rng) for p in parts]
-            records.append({"dial_id": f"gen-{split}-{j:03d}", "utterances": [u for t in tasks for u in t],
-                            "segments": [len(t) for t in tasks], "sources": parts})
-        out[split] = records
+        out[split] = _joined(domains, split, n_dialogues, rng)
     return out
+
+
+def build_generated_train(seed: int = DEFAULT_SEED, instance_seed: int = 1, n_dialogues: int = 40) -> list[dict]:
+    """Training dialogues for the classifier: ``calib``'s task domains of ``seed`` only, filled and
+    joined with ``instance_seed`` (other instances than ``calib``'s), so the eval half's domains stay
+    unseen by a classifier trained on these."""
+    names = sorted(DOMAINS)
+    side = np.random.default_rng(seed).permutation(len(names)) % 2  # the same halves as build_generated
+    domains = [n for n, s in zip(names, side) if s == SPLITS.index("calib")]
+    return _joined(domains, "train", n_dialogues, np.random.default_rng([seed, instance_seed]))
+
+
+def _joined(domains: list[str], split: str, n_dialogues: int, rng: np.random.Generator) -> list[dict]:
+    """``n_dialogues`` joined dialogues of 3–6 task dialogues, consecutive ones from different domains."""
+    records = []
+    for j in range(n_dialogues):
+        want = int(rng.integers(TASKS_PER_DIALOGUE[0], TASKS_PER_DIALOGUE[1] + 1))
+        parts: list[str] = []
+        for _ in range(want):
+            choices = [x for x in domains if not parts or x != parts[-1]]
+            parts.append(choices[int(rng.integers(len(choices)))])
+        tasks = [task_dialogue(p, rng) for p in parts]
+        records.append({"dial_id": f"gen-{split}-{j:03d}", "utterances": [u for t in tasks for u in t],
+                        "segments": [len(t) for t in tasks], "sources": parts})
+    return records
 
 
 def generated_dialogues(split: str = "eval", seed: int = DEFAULT_SEED) -> list[Dialogue]:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     return parse_segments(build_generated(seed)[split]).dialogues
+
+
+def generated_train_dialogues(seed: int = DEFAULT_SEED, instance_seed: int = 1) -> list[Dialogue]:
+    return parse_segments(build_generated_train(seed, instance_seed)).dialogues

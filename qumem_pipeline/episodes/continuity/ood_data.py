@@ -130,11 +130,32 @@ def build_ood(path: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -
     return {split: join_chunks(chunks[split], rng, split) for split in SPLITS}
 
 
+def build_ood_train(path: str | os.PathLike | None = None, seed: int = DEFAULT_SEED,
+                    rejoin_seed: int = 1) -> list[dict]:
+    """Training dialogues for the classifier from the ``calib`` sessions of ``seed`` only, cut and
+    joined again with ``rejoin_seed``: other excerpts and other joins than ``calib``'s, and never a
+    session of ``eval``, so the eval half stays a clean report for a classifier trained on these."""
+    path = Path(path) if path is not None else locomo_dev_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"LoCoMo file not found at {path} (the OOD set is built from it)")
+    sessions = locomo_sessions(path)
+    side = np.random.default_rng(seed).permutation(len(sessions)) % 2  # the same halves as build_ood
+    rng = np.random.default_rng([seed, rejoin_seed])
+    chunks = [c for (cid, s, texts), k in zip(sessions, side) if SPLITS[int(k)] == "calib"
+              for c in chunk_session(cid, s, texts, rng)]
+    return join_chunks(chunks, rng, "train")
+
+
 def ood_dialogues(split: str = "eval", path: str | os.PathLike | None = None,
                   seed: int = DEFAULT_SEED) -> list[Dialogue]:
     if split not in SPLITS:
         raise ValueError(f"unknown OOD split {split!r}; expected one of {SPLITS}")
     return parse_segments(build_ood(path, seed)[split]).dialogues
+
+
+def ood_train_dialogues(path: str | os.PathLike | None = None, seed: int = DEFAULT_SEED,
+                        rejoin_seed: int = 1) -> list[Dialogue]:
+    return parse_segments(build_ood_train(path, seed, rejoin_seed)).dialogues
 
 
 def describe(records: list[dict]) -> dict:
