@@ -110,7 +110,8 @@ def cmd_train_classifier(args: argparse.Namespace) -> int:
 
     mix = tuple(x for x in args.mix.split(",") if x)
     train(out_dir=args.out, seed=args.seed,
-          cfg=TrainConfig(mix=mix, cli_args=("--out", args.out, "--seed", str(args.seed), "--mix", ",".join(mix))))
+          cfg=TrainConfig(mix=mix, cli_args=("--out", args.out, "--seed", str(args.seed),
+                                          *(("--mix", ",".join(mix)) if mix else ()))))
     return 0
 
 
@@ -188,12 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 
-    sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE train plus other "
-                        "domains' calibration-half dialogues (reproducible; the shipped artifact's recipe)")
+    sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE (reproducible)")
     sp.add_argument("--out", default=str(REPO_ROOT / "qumem_pipeline" / "artifacts" / "continuity"))
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--mix", default="ood,gen", help="other domains to train on too: ood (LoCoMo excerpts joined), "
-                    "gen (generated task dialogues); '' = TIAGE alone")
+    sp.add_argument("--mix", default="", help="other domains to train on too: ood (LoCoMo excerpts joined), "
+                    "gen (generated task dialogues); '' (default) = TIAGE alone, the shipped artifact's recipe")
     sp.set_defaults(func=cmd_train_classifier)
     return p
 
