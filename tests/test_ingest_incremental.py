@@ -375,3 +375,51 @@ def test_later_turns_are_appended_without_rewriting_stored_files(tmp_path):
     alice = layout.read_table("turns", ["alice"]).sort("turn_index")
     assert alice["text"].to_list()[:2] == ["z0", "a0"]
     assert_tables_equal_one_shot(layout, d)
+
+
+def _file_pairs(layout) -> set[tuple[str, str]]:
+    df = layout.read_table(sync.FILE_USERS_TABLE)
+    pairs = list(df.select("user_id", "file_id").iter_rows())
+    assert len(pairs) == len(set(pairs)), "a (user, file) pair is listed twice"
+    return set(pairs)
+
+
+def test_new_files_only_append_file_lists_without_reading_them(tmp_path):
+    """A sync that reads new files only (the nightly case) never reads the stored per-user file
+    lists, and they still equal a one-shot ingest's: later turns, a user's first file, a duplicate
+    of a stored turn and a bad row all in the new file."""
+    d = tmp_path / "archive"
+    write_jsonl(d / "a.jsonl", _rows("alice", "c1", "01-01", ["a0", "a1"]) + _rows("bob", "b1", "01-01", ["b0"]))
+    cfg = ArchiveConfig(str(d))
+    layout = DataLayout(tmp_path / "data")
+    sync_archive(cfg, layout)
+    later = (_rows("alice", "c1", "02-01", ["a2"], ref0=2) + _rows("carol", "k1", "02-01", ["k0"])
+             + _rows("bob", "b1", "01-01", ["b0"])  # a copy of bob's stored turn: a duplicate, listed for b.jsonl
+             + [{"user_id": "dave", "conversation_id": "x", "role": "user"}])  # no text: quarantined
+    write_jsonl(d / "b.jsonl", later)
+    reads = []
+    real = DataLayout.read_table
+
+    def spy(self, table, *a, **k):
+        reads.append(table)
+        return real(self, table, *a, **k)
+
+    DataLayout.read_table = spy
+    try:
+        r = sync_archive(cfg, layout)
+    finally:
+        DataLayout.read_table = real
+    assert r.files_read == 1 and sync.FILE_USERS_TABLE not in reads and "turns" in reads
+    assert_tables_equal_one_shot(layout, d)
+    fresh = DataLayout(tmp_path / "fresh")
+    sync_archive(cfg, fresh)
+    got = _file_pairs(layout)
+    assert got == _file_pairs(fresh)
+    assert {u for u, _ in got} >= {"alice", "bob", "carol", "dave"}
+    # a changed file takes the full path again (stored lists read, pairs of the old bytes gone)
+    write_jsonl(d / "b.jsonl", _rows("alice", "c1", "02-01", ["a2"], ref0=2))
+    sync_archive(cfg, layout)
+    assert_tables_equal_one_shot(layout, d)
+    fresh2 = DataLayout(tmp_path / "fresh2")
+    sync_archive(cfg, fresh2)
+    assert _file_pairs(layout) == _file_pairs(fresh2)

@@ -374,7 +374,7 @@ class _Sync:
         held = dict.fromkeys(["turns", DUPLICATES_TABLE, "quarantine", FILE_USERS_TABLE])
         if not self.plan.old:
             return held
-        tables = [t for t in held if t != FILE_USERS_TABLE or hasattr(self.layout, "store")]
+        tables = [t for t in held if t != FILE_USERS_TABLE or (hasattr(self.layout, "store") and not self._only_new_files)]
         with self._store_lock, ThreadPoolExecutor(max_workers=len(tables), thread_name_prefix="qumem-ingest-read-back") as pool:
             # one table per thread: a table's handle is never used by two threads at once
             held.update(zip(tables, pool.map(lambda t: self.layout.read_table(t, users), tables)))
@@ -485,8 +485,22 @@ class _Sync:
             mine = turns if len(rest) == len(users) else turns.filter(pl.col("user_id").is_in(rest))
             replace_users(self.layout, "turns", rest, mine, dense=True)
 
+    @property
+    def _only_new_files(self) -> bool:
+        """This run reads new files only (none changed, pending or gone) over a manifest: no stored
+        row leaves the tables, so no stored (user, file) pair goes away, and the pairs a rebuild
+        adds are exactly those of the new files (a new file has no stored row: a killed run's files
+        are listed pending, so they come back as changed). The nightly case: the stored file lists
+        need not be read at all."""
+        return bool(self.plan.old) and not self.plan.replaced_ids
+
     def _write_file_users(self, users: list[str], rows: pl.DataFrame, stored: pl.DataFrame | None) -> None:
         """Per-user file list: when no stored pair goes away, only the new pairs are appended."""
+        if hasattr(self.layout, "store") and self._only_new_files:
+            added = rows.filter(pl.col("file_id").is_in(sorted(f.file_id for f in self.plan.new)))
+            if added.height:
+                self.layout.store.append(FILE_USERS_TABLE, added)
+            return
         if stored is not None:
             stored = stored.select(list(FILE_USERS_SCHEMA)).cast(FILE_USERS_SCHEMA)
             if stored.join(rows, on=list(FILE_USERS_SCHEMA), how="anti").height == 0:
