@@ -106,9 +106,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> int:
-    from qumem_pipeline.episodes.continuity.train import TrainConfig, train
+    from qumem_pipeline.episodes.continuity.train import TrainConfig, parse_mix, train
 
-    mix = tuple(x for x in args.mix.split(",") if x)
+    mix = parse_mix(args.mix)
     train(out_dir=args.out, seed=args.seed,
           cfg=TrainConfig(mix=mix, cli_args=("--out", args.out, "--seed", str(args.seed),
                                           *(("--mix", ",".join(mix)) if mix else ()))))
@@ -192,8 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE (reproducible)")
     sp.add_argument("--out", default=str(REPO_ROOT / "qumem_pipeline" / "artifacts" / "continuity"))
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--mix", default="", help="other domains to train on too: ood (LoCoMo excerpts joined), "
-                    "gen (generated task dialogues); '' (default) = TIAGE alone, the shipped artifact's recipe")
+    sp.add_argument("--mix", default="", help="also train on: ood,gen (default '': TIAGE alone, as shipped)")
     sp.set_defaults(func=cmd_train_classifier)
     return p
 

@@ -295,22 +295,22 @@ def task_dialogue(domain: str, rng: np.random.Generator) -> list[str]:
 def build_generated(seed: int = DEFAULT_SEED, n_dialogues: int = 40) -> dict[str, list[dict]]:
     """Both splits (domains disjoint between them), as "segments"-format records plus ``sources``."""
     rng = np.random.default_rng(seed)
+    halves = _domain_halves(rng)
+    return {split: _joined(halves[split], split, n_dialogues, rng) for split in SPLITS}
+
+
+def _domain_halves(rng: np.random.Generator) -> dict[str, list[str]]:
+    """The task domains split into ``calib`` and ``eval`` by the generator's first draw."""
     names = sorted(DOMAINS)
     side = rng.permutation(len(names)) % 2
-    out = {}
-    for k, split in enumerate(SPLITS):
-        domains = [n for n, s in zip(names, side) if s == k]
-        out[split] = _joined(domains, split, n_dialogues, rng)
-    return out
+    return {split: [n for n, s in zip(names, side) if s == k] for k, split in enumerate(SPLITS)}
 
 
 def build_generated_train(seed: int = DEFAULT_SEED, instance_seed: int = 1, n_dialogues: int = 40) -> list[dict]:
     """Training dialogues for the classifier: ``calib``'s task domains of ``seed`` only, filled and
     joined with ``instance_seed`` (other instances than ``calib``'s), so the eval half's domains stay
     unseen by a classifier trained on these."""
-    names = sorted(DOMAINS)
-    side = np.random.default_rng(seed).permutation(len(names)) % 2  # the same halves as build_generated
-    domains = [n for n, s in zip(names, side) if s == SPLITS.index("calib")]
+    domains = _domain_halves(np.random.default_rng(seed))["calib"]  # the same halves as build_generated
     return _joined(domains, "train", n_dialogues, np.random.default_rng([seed, instance_seed]))
 
 

@@ -116,12 +116,16 @@ def join_chunks(chunks: list[Chunk], rng: np.random.Generator, split: str,
     return dialogues
 
 
-def build_ood(path: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> dict[str, list[dict]]:
-    """Both splits, as "segments"-format records (plus ``sources``: conversation:session:first turn)."""
+def _sessions(path: str | os.PathLike | None) -> list[tuple[str, int, list[str]]]:
     path = Path(path) if path is not None else locomo_dev_path()
     if not path.is_file():
         raise FileNotFoundError(f"LoCoMo file not found at {path} (the OOD set is built from it)")
-    sessions = locomo_sessions(path)
+    return locomo_sessions(path)
+
+
+def build_ood(path: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> dict[str, list[dict]]:
+    """Both splits, as "segments"-format records (plus ``sources``: conversation:session:first turn)."""
+    sessions = _sessions(path)
     rng = np.random.default_rng(seed)
     side = rng.permutation(len(sessions)) % 2  # half the sessions to each split
     chunks: dict[str, list[Chunk]] = {s: [] for s in SPLITS}
@@ -135,10 +139,7 @@ def build_ood_train(path: str | os.PathLike | None = None, seed: int = DEFAULT_S
     """Training dialogues for the classifier from the ``calib`` sessions of ``seed`` only, cut and
     joined again with ``rejoin_seed``: other excerpts and other joins than ``calib``'s, and never a
     session of ``eval``, so the eval half stays a clean report for a classifier trained on these."""
-    path = Path(path) if path is not None else locomo_dev_path()
-    if not path.is_file():
-        raise FileNotFoundError(f"LoCoMo file not found at {path} (the OOD set is built from it)")
-    sessions = locomo_sessions(path)
+    sessions = _sessions(path)
     side = np.random.default_rng(seed).permutation(len(sessions)) % 2  # the same halves as build_ood
     rng = np.random.default_rng([seed, rejoin_seed])
     chunks = [c for (cid, s, texts), k in zip(sessions, side) if SPLITS[int(k)] == "calib"

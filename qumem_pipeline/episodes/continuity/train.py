@@ -112,6 +112,11 @@ def cross_dialogue_negatives(pairs: list[Pair], rate: float, seed: int) -> list[
 MIX_DOMAINS = ("ood", "gen")
 
 
+def parse_mix(text: str) -> tuple[str, ...]:
+    """``--mix``'s comma-separated domains ('' = none)."""
+    return tuple(x for x in text.split(",") if x)
+
+
 def mixed_pairs(mix: tuple[str, ...]) -> list[Pair]:
     """Pairs of other domains' training dialogues, built from the calibration halves only (never a
     session or task domain of an eval half): ``ood`` LoCoMo excerpts joined again
@@ -452,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                       boundary_weight=args.boundary_weight, threads=args.threads,
                       max_steps=args.max_steps, bucket_chunk=args.bucket_chunk, swap_aug=bool(args.swap_aug),
                       label_smoothing=args.label_smoothing, cross_neg=args.cross_neg,
-                      mix=tuple(x for x in args.mix.split(",") if x), swa_from=args.swa_from, train_limit=args.train_limit, model=mcfg,
+                      mix=parse_mix(args.mix), swa_from=args.swa_from, train_limit=args.train_limit, model=mcfg,
                       cli_args=tuple(sys.argv[1:] if argv is None else argv))
     res = train(args.out, args.seed, cfg)
     print(json.dumps({"version": res["version"], "threshold": res["threshold"], "metrics": res["metrics"],
