@@ -53,12 +53,13 @@ def episodes(
     with progress:
         by_user, stats = build_episodes_for_users(
             turns_by_user,
-            lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size, progress=progress),
+            lambda pairs: model.predict_same_proba(pairs, batch_size=continuity.batch_size),
             rule=model.rule,
             similarity=model.pair_cosine,  # used only when the rule reads the cosine
             embed_histories=model.history_embeddings,  # used only when the rule has block features
             classifier_version=model.version,
             token_budget=continuity.token_budget,
+            progress=progress,  # pairs done / all, after each user (each user's pairs are calls of their own)
         )
     classify_s = time.perf_counter() - t1
     sizes = [n for df in by_user.values() for n in df["n_turns"].to_list()]

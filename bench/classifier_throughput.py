@@ -10,6 +10,12 @@ pass (a pre-hook on the model counts them; 1.0 = every pair classified by exactl
 forward_calls = the forward calls of that pass.
 Pairs: adjacent utterance pairs of TIAGE test (repeated up to --n), or generated sentences when the
 shared datasets are absent. With --json the last printed line is one JSON object.
+
+--histories adds what classifying each history in calls of its own costs (the episodes stage does, so a
+user's P(same) never depends on the other users of its run): P(same) for every dialogue of TIAGE test
+(else the generated calib dialogues) one dialogue at a time (``ContinuityClassifier.history_signals``,
+signals the rule needs: P(same) and embeddings) against the same pairs and texts in one pooled call
+each, best of --repeats, in the same run: ``per_history_ratio`` = pooled / per history.
 """
 
 from __future__ import annotations
@@ -71,6 +77,36 @@ def count_forwards(clf: ContinuityClassifier, fn) -> tuple[int, int]:
     return calls, rows
 
 
+def per_history_cost(clf: ContinuityClassifier, batch_size: int, repeats: int, once) -> dict:
+    """Seconds for the rule's signals of every dialogue one at a time (the product's path) against pooled calls."""
+    from qumem_pipeline.runtime.datasets import tiage_path
+
+    if tiage_path("test").is_file():
+        from qumem_pipeline.episodes.dialogues import read_dialogues
+
+        dialogues, src = read_dialogues(tiage_path("test"), "tiage").dialogues, "TIAGE test"
+    else:
+        from qumem_pipeline.episodes.continuity.generated_dialogues import generated_dialogues
+
+        dialogues, src = generated_dialogues("calib"), "generated calib dialogues (TIAGE absent)"
+    histories = [list(d.utterances) for d in dialogues]
+    pairs = [(h[i], h[i + 1]) for h in histories for i in range(len(h) - 1)]
+    emb = clf.rule.needs_embeddings
+
+    def pooled():
+        clf.predict_same_proba(pairs, batch_size)
+        if emb:
+            clf.history_embeddings(histories)
+
+    t_one = t_pool = float("inf")
+    for _ in range(repeats):
+        t_one = min(t_one, once(lambda: clf.history_signals(histories, batch_size)))
+        t_pool = min(t_pool, once(pooled))
+    return {"histories": len(histories), "history_pairs": len(pairs), "history_source": src,
+            "history_embeddings": emb, "per_history_s": round(t_one, 3), "pooled_s": round(t_pool, 3),
+            "per_history_ratio": round(t_pool / t_one, 3)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2000)
@@ -79,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats; best is reported")
     ap.add_argument("--artifact", default=None)
+    ap.add_argument("--histories", action="store_true", help="also: per-history calls against pooled ones")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -131,6 +168,10 @@ def main(argv=None) -> int:
     print(f"{'raw forward':<12} {t_raw:9.3f} {res['raw_pairs_per_s']:10.1f}")
     print(f"ratio pipeline/raw = {res['ratio']:.3f} (target >= 0.8)")
     print(f"model forwards per pair = {res['forwards_per_pair']} ({forward_calls} forward calls for {n} pairs)")
+    if args.histories:
+        res.update(per_history_cost(clf, args.batch_size, args.repeats, once))
+        print(f"{res['histories']} histories ({res['history_pairs']} pairs, {res['history_source']}): one at a time "
+              f"{res['per_history_s']:.2f} s, pooled {res['pooled_s']:.2f} s, ratio {res['per_history_ratio']:.3f}")
     if args.json:
         print(json.dumps(res))
     return 0

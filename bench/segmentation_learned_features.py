@@ -11,11 +11,12 @@ an eval half:
 - ``shipped``: the artifact's rule (learned score with block-similarity features);
 - ``learned_block_rechosen``: :func:`~qumem_pipeline.episodes.continuity.tune_learned.choose_learned_block`
   run again (says whether it equals the shipped rule: the artifact is reproducible from the cache);
-- ``simdip_v1``: the rule shipped before it (P(same) < 0.42, or the adjacent cosine more than 0.18
-  below the mean of 4 gaps each side while P(same) < 0.85);
+- ``simdip_v1``: the rule shipped two versions back (P(same) < 0.42, or the adjacent cosine more than
+  0.18 below the mean of 4 gaps each side while P(same) < 0.85), applied to this classifier's signals
+  (its parameters were chosen for the TIAGE-only classifier of that time);
 - ``learned_pc``: :func:`~qumem_pipeline.episodes.continuity.tune_decoding.choose_learned`, the
   learned score over P(same) and adjacent-cosine features only (no block similarity);
-- ``classifier_alone``: the rule's steps 1-3 (P(same) < 0.42).
+- ``classifier_alone``: the rule's steps 1-3 (P(same) below the artifact's threshold).
 
 Last line with ``--json``: one JSON object (a Pk / WindowDiff / F1 that is NaN, e.g. on a set with no
 reference boundary, is null there: JSON has no NaN).

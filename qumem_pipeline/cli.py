@@ -189,10 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 
-    sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE (reproducible)")
+    sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE train plus other "
+                        "domains' calibration-half dialogues (reproducible; the shipped artifact's recipe)")
     sp.add_argument("--out", default=str(REPO_ROOT / "qumem_pipeline" / "artifacts" / "continuity"))
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--mix", default="", help="also train on: ood,gen (default '': TIAGE alone, as shipped)")
+    sp.add_argument("--mix", default="ood,gen", help="also train on: ood (LoCoMo excerpts joined), gen (generated "
+                    "task dialogues); default ood,gen as shipped; '' = TIAGE alone")
     sp.set_defaults(func=cmd_train_classifier)
     return p
 

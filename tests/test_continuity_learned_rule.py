@@ -322,7 +322,7 @@ def test_the_episodes_stage_passes_each_users_embeddings_to_a_block_rule():
     probs = np.full(6, 0.8, np.float32)
     out, stats = build_episodes_for_users(turns, lambda pairs: probs[: len(pairs)], rule=rule,
                                           embed_histories=embed, classifier_version="v")
-    assert calls == [[texts["alice"], texts["bob"]]]  # one call for all users, each history in order
+    assert calls == [[texts["alice"]], [texts["bob"]]]  # one call per user (batch independence), in order
     for u, x in texts.items():
         e = np.array([vec[t] for t in x])
         c = np.einsum("ij,ij->i", e[:-1], e[1:])

@@ -135,7 +135,7 @@ def test_wrong_number_of_decisions_is_an_error():
         eps(["user", "user"], [0.5, 0.5])
 
 
-def test_batch_across_users_and_stable_ids():
+def test_one_classifier_call_per_user_and_stable_ids():
     calls = []
 
     def predict(pairs):
@@ -144,7 +144,7 @@ def test_batch_across_users_and_stable_ids():
 
     turns = {"alice": history(["user", "assistant"] * 3), "bob": history(["user"] * 4, user="bob")}
     out, stats = build_episodes_for_users(turns, predict, threshold=0.5, classifier_version="v")
-    assert calls == [2 + 3], "one batched classifier call for all users' pairs"
+    assert calls == [2, 3], "one classifier call per user, with that user's pairs only (batch independence)"
     assert stats.users == 2 and stats.decisions == 5 and stats.user_utterances == 7
     out2, _ = build_episodes_for_users(turns, predict, threshold=0.5, classifier_version="v")
     assert out["alice"]["episode_id"].to_list() == out2["alice"]["episode_id"].to_list()
@@ -160,15 +160,16 @@ def test_the_rule_with_similarity_dips_reads_the_cosine_of_the_same_pairs():
     assert segment(p, rule.without_similarity()) == [(0, 2), (2, 5)]
     turns = {"alice": history(["user", "assistant"] * 5), "bob": history(["user"] * 2, user="bob")}
     seen = []
+    per_user = {4: (p, c), 1: ([0.95], [0.05])}  # bob's single gap: cosine 0.05 but P(same) 0.95 > gate
 
     def similarity(pairs):
         seen.append(list(pairs))
-        return np.array(c + [0.05], dtype=np.float32)  # bob's single gap: 0.05 but P(same) 0.95 > gate
+        return np.array(per_user[len(pairs)][1], dtype=np.float32)
 
     out, stats = build_episodes_for_users(
-        turns, lambda pairs: np.array(p + [0.95], dtype=np.float32), rule=rule, similarity=similarity,
+        turns, lambda pairs: np.array(per_user[len(pairs)][0], dtype=np.float32), rule=rule, similarity=similarity,
         classifier_version="v-sim")
-    assert len(seen) == 1 and len(seen[0]) == 5, "one similarity call, for the classifier's own pairs"
+    assert [len(x) for x in seen] == [4, 1], "one similarity call per user, for the classifier's own pairs"
     assert seen[0][2] == ("word word word word word word word word 4", "word word word word word word word word 6")
     assert out["alice"]["turn_ids"].to_list() == [[0, 1, 2, 3], [4, 5], [6, 7, 8, 9]]
     assert out["bob"]["turn_ids"].to_list() == [[0, 1]]

@@ -9,7 +9,8 @@ and every forced split is counted — nothing is ever truncated.
 Boundaries come from the classifier artifact's decision rule; when it has similarity dips it also
 reads the base-MiniLM cosine of the same adjacent user-utterance pairs (``similarity=``, the
 classifier's ``pair_cosine``), so the stage applies exactly the rule `qumem eval segmentation-ood`
-reports.
+reports. Each user's pairs go through the encoders in calls of their own, so a user's episodes are a
+function of its own turns whichever users share the run (:func:`build_episodes_for_users`).
 """
 
 import hashlib
@@ -299,14 +300,23 @@ def build_episodes_for_users(
     break_on_session: bool = True,
     similarity: Callable[[list[tuple[str, str]]], np.ndarray] | None = None,
     embed_histories: Callable[[list[list[str]]], list[np.ndarray]] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, pl.DataFrame], EpisodeStats]:
-    """All users' pairs go through the classifier as one batch; then episodes per user.
+    """Each user's pairs go through the classifier as calls of their own; then episodes per user.
+
+    One user at a time, never batched with other users' pairs: an encoder's output for a row moves in
+    the last bits with the rows it is batched with (CPU BLAS kernels differ by matrix shape and row
+    position), and a cut near the rule's cutoff could then follow, so forgetting or adding one user
+    could move another's episodes. Per user, a user's episodes are a function of its own turns
+    (``tests/test_batch_independence.py``); users with one or two dozen utterances pay for it in
+    smaller batches.
 
     ``rule``: the classifier's decision rule (``clf.rule``); ``threshold``: the plain rule.
-    ``similarity``: pairs -> base-MiniLM cosine per pair (``clf.pair_cosine``); called, once for all
-    pairs, only when the rule reads the cosine, and required then. ``embed_histories``: users'
-    utterance lists -> their base-MiniLM embeddings (``clf.history_embeddings``); called once for all
-    users when the rule has block features (the cosine then comes from the same embeddings).
+    ``similarity``: pairs -> base-MiniLM cosine per pair (``clf.pair_cosine``); called only when the
+    rule reads the cosine, and required then. ``embed_histories``: utterance lists -> their base-MiniLM
+    embeddings (``clf.history_embeddings``); called (with one user's list) when the rule has block
+    features (the cosine then comes from the same embeddings). ``progress(pairs done, pairs in all)``
+    after each user.
     """
     rule = _one_rule(rule, threshold)
     if rule.needs_embeddings and embed_histories is None:
@@ -316,31 +326,44 @@ def build_episodes_for_users(
         raise ValueError(f"the decision rule ({rule.describe()}) needs similarity= (the classifier's pair_cosine)")
     texts_by_user = {u: user_texts(t) for u, t in turns_by_user.items()}
     pairs_by_user = {u: list(zip(x[:-1], x[1:])) for u, x in texts_by_user.items()}
-    all_pairs = [p for u in turns_by_user for p in pairs_by_user[u]]
-    probs = predict_same(all_pairs) if all_pairs else np.zeros(0, dtype=np.float32)
-    cos = None
-    embs: dict[str, np.ndarray] = {}
-    if rule.needs_embeddings:
-        users = list(turns_by_user)
-        got = embed_histories([texts_by_user[u] for u in users])
-        if len(got) != len(users):
-            raise ValueError(f"embed_histories returned {len(got)} histories for {len(users)} users")
-        embs = dict(zip(users, got))
-        cos = np.concatenate([adjacent_cosine(embs[u]) for u in users]) if users else np.zeros(0, np.float32)
-    elif rule.needs_similarity:
-        cos = np.asarray(similarity(all_pairs), dtype=np.float32) if all_pairs else np.zeros(0, dtype=np.float32)
-        if len(cos) != len(all_pairs):
-            raise ValueError(f"similarity returned {len(cos)} cosines for {len(all_pairs)} pairs")
+    total = sum(len(p) for p in pairs_by_user.values())
+    signals: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
+    done = 0
+    for u in turns_by_user:
+        signals[u] = _user_signals(u, texts_by_user[u], pairs_by_user[u], predict_same, rule, similarity, embed_histories)
+        done += len(pairs_by_user[u])
+        if progress is not None:
+            progress(done, total)
     fault_point("episodes.classify")  # crash tests: killed after classifying, before any episode is written
     stats = EpisodeStats()
     out: dict[str, pl.DataFrame] = {}
-    offset = 0
     for u, t in turns_by_user.items():
-        n = len(pairs_by_user[u])
+        probs, cos, emb = signals[u]
         out[u] = build_user_episodes(
-            t, probs[offset : offset + n], rule=rule, classifier_version=classifier_version,
-            token_budget=token_budget, count_tokens=count_tokens, stats=stats, break_on_session=break_on_session,
-            cosine=None if cos is None else cos[offset : offset + n], embeddings=embs.get(u),
+            t, probs, rule=rule, classifier_version=classifier_version, token_budget=token_budget,
+            count_tokens=count_tokens, stats=stats, break_on_session=break_on_session, cosine=cos, embeddings=emb,
         )
-        offset += n
     return out, stats
+
+
+def _user_signals(user_id: str, texts: list[str], pairs: list[tuple[str, str]], predict_same, rule: DecisionRule,
+                  similarity, embed_histories) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(P(same), cosine or None, embeddings or None) of one user's adjacent pairs, from calls that see
+    only this user's pairs and texts."""
+    if not pairs:
+        probs = np.zeros(0, dtype=np.float32)
+    else:
+        probs = np.asarray(predict_same(pairs), dtype=np.float32)
+        if len(probs) != len(pairs):
+            raise ValueError(f"user {user_id}: predict_same returned {len(probs)} values for {len(pairs)} pairs")
+    if rule.needs_embeddings:
+        got = embed_histories([texts])
+        if len(got) != 1:
+            raise ValueError(f"embed_histories returned {len(got)} histories for 1 user")
+        return probs, adjacent_cosine(got[0]), got[0]
+    if rule.needs_similarity:
+        cos = np.asarray(similarity(pairs), dtype=np.float32) if pairs else np.zeros(0, dtype=np.float32)
+        if len(cos) != len(pairs):
+            raise ValueError(f"similarity returned {len(cos)} cosines for {len(pairs)} pairs")
+        return probs, cos, None
+    return probs, None, None

@@ -177,20 +177,22 @@ class ContinuityClassifier:
     def history_signals(self, histories: Sequence[Sequence[str]], batch_size: int = 64, *,
                         cosine: bool | None = None, embeddings: bool | None = None):
         """Per history (its utterances in order): (P(same) per gap, cosine per gap or None, utterance
-        embeddings or None), computed as the episodes stage does. ``cosine`` / ``embeddings``: whether to
-        compute them (None: as this classifier's rule needs); with embeddings the cosine comes from them."""
+        embeddings or None), computed as the episodes stage does: each history in calls of its own, so
+        its signals do not depend on the other histories (:func:`~qumem_pipeline.episodes.segmentation.build_episodes_for_users`).
+        ``cosine`` / ``embeddings``: whether to compute them (None: as this classifier's rule needs);
+        with embeddings the cosine comes from them."""
         embeddings = self.rule.needs_embeddings if embeddings is None else embeddings
         cosine = self.rule.needs_similarity if cosine is None else cosine
-        pairs = [(h[i], h[i + 1]) for h in histories for i in range(len(h) - 1)]
-        probs = self.predict_same_proba(pairs, batch_size) if pairs else np.zeros(0, np.float32)
-        embs = self.history_embeddings(histories) if embeddings else [None] * len(histories)
-        cos = self.pair_cosine(pairs) if cosine and not embeddings else None
-        out, pos = [], 0
-        for h, e in zip(histories, embs):
-            n = max(len(h) - 1, 0)
-            c = adjacent_cosine(e) if e is not None else (None if cos is None else cos[pos : pos + n])
-            out.append((probs[pos : pos + n], c, e))
-            pos += n
+        out = []
+        for h in histories:
+            pairs = [(h[i], h[i + 1]) for i in range(len(h) - 1)]
+            p = self.predict_same_proba(pairs, batch_size) if pairs else np.zeros(0, np.float32)
+            e = self.history_embeddings([h])[0] if embeddings else None
+            if e is not None:
+                c = adjacent_cosine(e)
+            else:
+                c = (self.pair_cosine(pairs) if pairs else np.zeros(0, np.float32)) if cosine else None
+            out.append((p, c, e))
         return out
 
     def predict_boundaries(self, pairs: Sequence[tuple[str, str]], batch_size: int = 64) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Train the continuity classifier on TIAGE train (plus, with ``--mix``, other domains' training
 dialogues built from calibration halves only), select epoch + threshold on TIAGE dev, report on test.
 
-    python -m qumem_pipeline.episodes.continuity.train --out /tmp/clf --seed 0                # the shipped recipe
-    python -m qumem_pipeline.episodes.continuity.train --out /tmp/mix --seed 0 --mix ood,gen  # measured, not shipped
+    python -m qumem_pipeline.episodes.continuity.train --out /tmp/clf --seed 0 --mix ood,gen --threads 2  # the shipped recipe
+    python -m qumem_pipeline.episodes.continuity.train --out /tmp/tiage --seed 0                         # TIAGE alone
     python -m qumem_pipeline.episodes.continuity.tune_learned --artifact /tmp/clf --write     # then its boundary rule
 
 Only LoRA adapters, the token-type table and the head are trained and saved (a ~1-2 MB artifact);
