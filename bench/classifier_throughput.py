@@ -38,16 +38,22 @@ import torch  # noqa: E402
 from qumem_pipeline.episodes.continuity import ContinuityClassifier  # noqa: E402
 
 
-def make_pairs(n: int, seed: int = 0) -> tuple[list[tuple[str, str]], str]:
+def tiage_test_histories() -> list[list[str]] | None:
+    """TIAGE test's dialogues as utterance lists, or None when the shared datasets are absent."""
     from qumem_pipeline.runtime.datasets import tiage_path
 
     path = tiage_path("test")
-    if path.is_file():
-        from qumem_pipeline.episodes.dialogues import read_dialogues
+    if not path.is_file():
+        return None
+    from qumem_pipeline.episodes.dialogues import read_dialogues
 
-        base = []
-        for d in read_dialogues(path, "tiage").dialogues:
-            base += [(d.utterances[i], d.utterances[i + 1]) for i in range(len(d.utterances) - 1)]
+    return [list(d.utterances) for d in read_dialogues(path, "tiage").dialogues]
+
+
+def make_pairs(n: int, seed: int = 0) -> tuple[list[tuple[str, str]], str]:
+    histories = tiage_test_histories()
+    if histories is not None:
+        base = [(h[i], h[i + 1]) for h in histories for i in range(len(h) - 1)]
         src = f"TIAGE test pairs ({len(base)} unique)"
     else:
         rng = random.Random(seed)
@@ -79,17 +85,12 @@ def count_forwards(clf: ContinuityClassifier, fn) -> tuple[int, int]:
 
 def per_history_cost(clf: ContinuityClassifier, batch_size: int, repeats: int, once) -> dict:
     """Seconds for the rule's signals of every dialogue one at a time (the product's path) against pooled calls."""
-    from qumem_pipeline.runtime.datasets import tiage_path
-
-    if tiage_path("test").is_file():
-        from qumem_pipeline.episodes.dialogues import read_dialogues
-
-        dialogues, src = read_dialogues(tiage_path("test"), "tiage").dialogues, "TIAGE test"
-    else:
+    histories, src = tiage_test_histories(), "TIAGE test"
+    if histories is None:
         from qumem_pipeline.episodes.continuity.generated_dialogues import generated_dialogues
 
-        dialogues, src = generated_dialogues("calib"), "generated calib dialogues (TIAGE absent)"
-    histories = [list(d.utterances) for d in dialogues]
+        histories = [list(d.utterances) for d in generated_dialogues("calib")]
+        src = "generated calib dialogues (TIAGE absent)"
     pairs = [(h[i], h[i + 1]) for h in histories for i in range(len(h) - 1)]
     emb = clf.rule.needs_embeddings
 

@@ -132,15 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--warehouse", help="DuckDB file (default: <data-root>/warehouse.duckdb)")
         sp.add_argument("--json", action="store_true", help="print one JSON object with the figures as the last line")
 
-    sp = sub.add_parser("run", help="run the main job for every user in the archive")
-    common(sp)
-    sp.add_argument("--users-per-run", type=int, help="users per Dagster run (default 50)")
-    sp.set_defaults(func=_dagster_command("run"))
-
-    sp = sub.add_parser("ingest", help="discover users, ingest + validate turns, load the warehouse")
-    common(sp)
-    sp.add_argument("--users-per-run", type=int, help="users per Dagster run (default 50)")
-    sp.set_defaults(func=_dagster_command("ingest"))
+    for name, help_text in (("run", "run the main job for every user in the archive"),
+                            ("ingest", "discover users, ingest + validate turns, load the warehouse")):
+        sp = sub.add_parser(name, help=help_text)
+        common(sp)
+        sp.add_argument("--users-per-run", type=int, help="users per Dagster run (default 50)")
+        sp.set_defaults(func=_dagster_command(name))
 
     sp = sub.add_parser("forget", help="delete a user from every table, index, warehouse and instance record")
     sp.add_argument("user_id")
@@ -189,12 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 
-    sp = sub.add_parser("train-classifier", help="train the continuity classifier on TIAGE train plus other "
-                        "domains' calibration-half dialogues (reproducible; the shipped artifact's recipe)")
+    sp = sub.add_parser("train-classifier", help="train the continuity classifier (reproducible, as shipped)")
     sp.add_argument("--out", default=str(REPO_ROOT / "qumem_pipeline" / "artifacts" / "continuity"))
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--mix", default="ood,gen", help="also train on: ood (LoCoMo excerpts joined), gen (generated "
-                    "task dialogues); default ood,gen as shipped; '' = TIAGE alone")
+    sp.add_argument("--mix", default="ood,gen", help="besides TIAGE train: ood (LoCoMo excerpts joined), gen "
+                    "(generated task dialogues), from calibration halves only; '' = TIAGE alone")
     sp.set_defaults(func=cmd_train_classifier)
     return p
 

@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 
 from qumem_pipeline.episodes.continuity.decoding import DecisionRule, as_rule
-from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine
+from qumem_pipeline.episodes.continuity.similarity import history_signals_of
 from qumem_pipeline.runtime.faults import fault_point
 from qumem_pipeline.contracts.stage_versions import stage_version
 
@@ -325,13 +325,14 @@ def build_episodes_for_users(
     if rule.needs_similarity and not rule.needs_embeddings and similarity is None:
         raise ValueError(f"the decision rule ({rule.describe()}) needs similarity= (the classifier's pair_cosine)")
     texts_by_user = {u: user_texts(t) for u, t in turns_by_user.items()}
-    pairs_by_user = {u: list(zip(x[:-1], x[1:])) for u, x in texts_by_user.items()}
-    total = sum(len(p) for p in pairs_by_user.values())
+    total = sum(max(len(x) - 1, 0) for x in texts_by_user.values())
+    embed = embed_histories if rule.needs_embeddings else None
+    sim = similarity if rule.needs_similarity and embed is None else None
     signals: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
     done = 0
-    for u in turns_by_user:
-        signals[u] = _user_signals(u, texts_by_user[u], pairs_by_user[u], predict_same, rule, similarity, embed_histories)
-        done += len(pairs_by_user[u])
+    for u, texts in texts_by_user.items():
+        signals[u] = history_signals_of(texts, predict_same, embed_histories=embed, similarity=sim, label=f"user {u}")
+        done += max(len(texts) - 1, 0)
         if progress is not None:
             progress(done, total)
     fault_point("episodes.classify")  # crash tests: killed after classifying, before any episode is written
@@ -345,25 +346,3 @@ def build_episodes_for_users(
         )
     return out, stats
 
-
-def _user_signals(user_id: str, texts: list[str], pairs: list[tuple[str, str]], predict_same, rule: DecisionRule,
-                  similarity, embed_histories) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """(P(same), cosine or None, embeddings or None) of one user's adjacent pairs, from calls that see
-    only this user's pairs and texts."""
-    if not pairs:
-        probs = np.zeros(0, dtype=np.float32)
-    else:
-        probs = np.asarray(predict_same(pairs), dtype=np.float32)
-        if len(probs) != len(pairs):
-            raise ValueError(f"user {user_id}: predict_same returned {len(probs)} values for {len(pairs)} pairs")
-    if rule.needs_embeddings:
-        got = embed_histories([texts])
-        if len(got) != 1:
-            raise ValueError(f"embed_histories returned {len(got)} histories for 1 user")
-        return probs, adjacent_cosine(got[0]), got[0]
-    if rule.needs_similarity:
-        cos = np.asarray(similarity(pairs), dtype=np.float32) if pairs else np.zeros(0, dtype=np.float32)
-        if len(cos) != len(pairs):
-            raise ValueError(f"similarity returned {len(cos)} cosines for {len(pairs)} pairs")
-        return probs, cos, None
-    return probs, None, None

@@ -28,7 +28,7 @@ from qumem_pipeline.episodes.continuity.base import base_model_dir, base_weights
 from qumem_pipeline.episodes.continuity.decoding import (
     DecisionRule, classifier_precision, version_of_config, version_with_precision,
 )
-from qumem_pipeline.episodes.continuity.similarity import adjacent_cosine, history_embeddings, pair_cosine
+from qumem_pipeline.episodes.continuity.similarity import history_embeddings, history_signals_of, pair_cosine
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
 
 DEFAULT_ARTIFACT_DIR = Path(__file__).resolve().parents[2] / "artifacts" / "continuity"
@@ -183,17 +183,10 @@ class ContinuityClassifier:
         with embeddings the cosine comes from them."""
         embeddings = self.rule.needs_embeddings if embeddings is None else embeddings
         cosine = self.rule.needs_similarity if cosine is None else cosine
-        out = []
-        for h in histories:
-            pairs = [(h[i], h[i + 1]) for i in range(len(h) - 1)]
-            p = self.predict_same_proba(pairs, batch_size) if pairs else np.zeros(0, np.float32)
-            e = self.history_embeddings([h])[0] if embeddings else None
-            if e is not None:
-                c = adjacent_cosine(e)
-            else:
-                c = (self.pair_cosine(pairs) if pairs else np.zeros(0, np.float32)) if cosine else None
-            out.append((p, c, e))
-        return out
+        embed = self.history_embeddings if embeddings else None
+        sim = self.pair_cosine if cosine and not embeddings else None
+        return [history_signals_of(h, lambda pairs: self.predict_same_proba(pairs, batch_size),
+                                   embed_histories=embed, similarity=sim) for h in histories]
 
     def predict_boundaries(self, pairs: Sequence[tuple[str, str]], batch_size: int = 64) -> np.ndarray:
         """1 where a new event starts, for ``pairs`` = the consecutive pairs of ONE history (the

@@ -49,3 +49,29 @@ def adjacent_cosine(embeddings: np.ndarray) -> np.ndarray:
     if len(e) < 2:
         return np.zeros(0, dtype=np.float32)
     return np.einsum("ij,ij->i", e[:-1], e[1:]).astype(np.float32)
+
+
+def history_signals_of(history: Sequence[str], predict_same: Callable[[list[tuple[str, str]]], np.ndarray], *,
+                       embed_histories: Callable[[list[list[str]]], list[np.ndarray]] | None = None,
+                       similarity: Callable[[list[tuple[str, str]]], np.ndarray] | None = None,
+                       label: str = "history") -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(P(same) per gap, cosine per gap or None, embeddings or None) of ONE history, from calls that
+    see only its pairs and texts: an encoder's output for a row moves in the last bits with the rows
+    batched beside it, so a history's signals (and the episode cut they give) are a function of the
+    history alone only when no call mixes histories. With ``embed_histories`` the cosine comes from the
+    embeddings; else ``similarity`` (pairs -> cosine) gives it; neither: no cosine."""
+    pairs = [(history[i], history[i + 1]) for i in range(len(history) - 1)]
+    probs = np.asarray(predict_same(pairs), dtype=np.float32) if pairs else np.zeros(0, dtype=np.float32)
+    if len(probs) != len(pairs):
+        raise ValueError(f"{label}: predict_same returned {len(probs)} values for {len(pairs)} pairs")
+    if embed_histories is not None:
+        got = embed_histories([list(history)])
+        if len(got) != 1:
+            raise ValueError(f"{label}: embed_histories returned {len(got)} histories for 1")
+        return probs, adjacent_cosine(got[0]), got[0]
+    if similarity is not None:
+        cos = np.asarray(similarity(pairs), dtype=np.float32) if pairs else np.zeros(0, dtype=np.float32)
+        if len(cos) != len(pairs):
+            raise ValueError(f"{label}: similarity returned {len(cos)} cosines for {len(pairs)} pairs")
+        return probs, cos, None
+    return probs, None, None
