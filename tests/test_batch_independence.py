@@ -4,7 +4,8 @@ The erasure promise (forgetting one user leaves every other user's rows exactly 
 user's episode cut to be a function of that user's turns alone. An encoder's output for a row moves
 in the last bits with the rows batched beside it (measured on this project's CPUs: the BLAS kernels
 differ by matrix shape and row position), so the episodes stage classifies each user in calls of its
-own. These tests run the shipped classifier and the base MiniLM encoder on in-repo generated dialogues.
+own, and the index stage embeds each user's memories in calls of their own. These tests run the shipped
+classifier and the base MiniLM encoder on in-repo generated dialogues.
 """
 
 from __future__ import annotations
@@ -87,3 +88,48 @@ def test_a_users_episodes_are_the_same_whichever_users_share_the_run(clf, histor
             assert without[u].equals(everyone[u]), f"forgetting {drop} moved {u}'s episodes"
     alone, _ = build_episodes_for_users({"u7": users["u7"]}, clf.predict_same_proba, **kw)
     assert alone["u7"].equals(everyone["u7"])
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from qumem_pipeline.index.embeddings import Embedder
+
+    return Embedder.load(device="cpu")
+
+
+def _memories_of(users: dict[str, list[str]]) -> tuple[pl.DataFrame, dict[str, list[str]]]:
+    """Each utterance of a history as one memory of its user, sourced by the utterance after it."""
+    rows, sources = [], {}
+    for u, texts in users.items():
+        for i, t in enumerate(texts[:-1]):
+            mid = f"{u}-m{i}"
+            rows.append({"memory_id": mid, "user_id": u, "type": "fact", "content": t, "position": i})
+            sources[mid] = [texts[i + 1]]
+    return pl.DataFrame(rows), sources
+
+
+def test_a_users_memory_keys_are_the_same_whichever_users_share_the_run(embedder, histories):
+    """The index stage embeds a run's memories: each user's in calls of its own, so their keys are
+    bit-identical with the user alone, among others and with one of the others forgotten."""
+    from qumem_pipeline.index.embeddings import embed_memories, embeddings_matrix
+
+    # why: one encode over every user's texts (as the stage made before) moves history 5's vectors
+    offset = sum(len(h) for h in histories[:5])
+    pooled = embedder.encode([t for h in histories for t in h], batch_size=32)[offset : offset + len(histories[5])]
+    alone = embedder.encode(histories[5], batch_size=32)
+    assert np.allclose(alone, pooled, atol=1e-5) and not np.array_equal(alone, pooled)
+    users = {f"u{k}": h for k, h in enumerate(histories)}
+    mems, sources = _memories_of(users)
+    everyone = embed_memories(mems, embedder, sources=sources, batch_size=32)
+    assert everyone["memory_id"].to_list() == mems["memory_id"].to_list()  # input order kept
+    progress: list[tuple[int, int]] = []
+    embed_memories(mems, embedder, sources=sources, batch_size=32, progress=lambda d, n: progress.append((d, n)))
+    assert progress[-1] == (mems.height, mems.height) and [d for d, _ in progress] == sorted(d for d, _ in progress)
+    for keep in (["u3"], [u for u in users if u != "u0"], list(users)[::-1]):
+        part = mems.filter(pl.col("user_id").is_in(keep))
+        got = embed_memories(part, embedder, sources=sources, batch_size=32)
+        want = everyone.filter(pl.col("user_id").is_in(keep))
+        for u in keep:
+            a = embeddings_matrix(got.filter(pl.col("user_id") == u))
+            b = embeddings_matrix(want.filter(pl.col("user_id") == u))
+            assert np.array_equal(a, b), f"user {u}'s memory keys moved with the users beside it ({keep[:3]})"

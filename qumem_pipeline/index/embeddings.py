@@ -151,7 +151,7 @@ def embed_memories(
     batch_size: int = 128,
     progress: ProgressFn | None = None,
 ) -> pl.DataFrame:
-    """Embed memories (all users in the frame, one encode call).
+    """Embed memories (every user of the frame, each in encoder calls of its own: ``_encode_per_user``).
 
     ``sources`` (memory_id -> its evidence turns' texts, ``memory_keys.source_texts``): each memory
     is keyed by its content and its source turns (``memory_keys``, weight ``source_weight``, default
@@ -185,9 +185,8 @@ def embed_memories(
                     else:
                         vecs[i] = pvecs[j]
     if todo:
-        srcs = [list((sources or {}).get(mids[i], ())) for i in todo]
-        vecs[todo] = key_vectors([contents[i] for i in todo], srcs, embedder, weight, batch_size=batch_size,
-                                 progress=progress)
+        _encode_per_user(vecs, todo, memories["user_id"].to_list(), mids, contents, sources or {}, embedder, weight,
+                         batch_size, progress)
     return pl.DataFrame(
         {
             "memory_id": memories["memory_id"].cast(pl.String),
@@ -199,6 +198,27 @@ def embed_memories(
         },
         schema=schema,
     )
+
+
+def _encode_per_user(vecs: np.ndarray, todo: list[int], users: list, mids: list, contents: list,
+                     sources: Mapping[str, Sequence[str]], embedder, weight: float, batch_size: int,
+                     progress: ProgressFn | None) -> None:
+    """Fill ``vecs[todo]``, each user's memories (and their source texts) in encoder calls of their own.
+
+    Why: a vector's float32 bits depend on the rows batched beside it (padding length, BLAS kernels by
+    shape and row position: tests/test_batch_independence.py), so one call over a run's users made a
+    user's keys, and the ranks of near ties, depend on who else was in the run."""
+    by_user: dict[object, list[int]] = {}
+    for i in todo:
+        by_user.setdefault(users[i], []).append(i)
+    done, total = 0, len(todo)
+    for idx in by_user.values():
+        def step(d: int, _n: int, base: int = done) -> None:
+            if progress is not None:
+                progress(base + d, total)
+        vecs[idx] = key_vectors([contents[i] for i in idx], [list(sources.get(mids[i], ())) for i in idx], embedder,
+                                weight, batch_size=batch_size, progress=step)
+        done += len(idx)
 
 
 def embeddings_matrix(df: pl.DataFrame) -> np.ndarray:
