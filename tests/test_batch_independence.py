@@ -133,3 +133,31 @@ def test_a_users_memory_keys_are_the_same_whichever_users_share_the_run(embedder
             a = embeddings_matrix(got.filter(pl.col("user_id") == u))
             b = embeddings_matrix(want.filter(pl.col("user_id") == u))
             assert np.array_equal(a, b), f"user {u}'s memory keys moved with the users beside it ({keep[:3]})"
+
+
+def test_a_users_retrieval_is_the_same_whichever_users_share_the_query_batch(embedder, histories):
+    """The query stage batches every query of a run; each user's query texts are embedded in calls of
+    their own, so a user's candidates and their float scores are bit-identical with its queries alone
+    and among every other user's (a near tie turned on those bits, and with it the A3 prompt and its paid
+    call). Also the persona profiles' content vectors (`profiles.vectors_for`)."""
+    from qumem_pipeline.index.embeddings import embed_memories
+    from qumem_pipeline.index.vector_store import VectorStore, build_user_indexes
+    from qumem_pipeline.query.retrieval import PlannedQuery, RetrievalRequest, execute_plans
+    from qumem_pipeline.query.strategies.adamem.profiles import vectors_for
+
+    users = {f"u{k}": h for k, h in enumerate(histories)}
+    mems, sources = _memories_of(users)
+    emb = embed_memories(mems, embedder, sources=sources)
+    store = VectorStore.in_memory([build_user_indexes(emb.filter(pl.col("user_id") == u), u) for u in users])
+    # each user asks with the other users' utterances too: many texts of many lengths in one batch
+    requests = [RetrievalRequest(f"{u}/q{j}", u, [PlannedQuery(t), PlannedQuery(t[: max(8, len(t) // 2)])])
+                for k, u in enumerate(users) for j, t in enumerate(histories[(k + 3) % len(histories)][:6])]
+    everyone = execute_plans(requests, store, embedder, k=4)
+    for keep in ("u2", "u9"):
+        mine = [i for i, r in enumerate(requests) if r.user_id == keep]
+        alone = execute_plans([requests[i] for i in mine], store, embedder, k=4)
+        assert [[(c.memory_id, c.score) for c in row] for row in alone] == \
+            [[(c.memory_id, c.score) for c in everyone[i]] for i in mine], f"{keep}'s retrieval moved with the batch"
+    together = vectors_for(mems, None, embedder)
+    part = vectors_for(mems.filter(pl.col("user_id") == "u4"), None, embedder)
+    assert all(np.array_equal(v, together[m]) for m, v in part.items()) and part

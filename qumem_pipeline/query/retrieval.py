@@ -1,8 +1,8 @@
 """The retrieval stage of query-conditioned user-state inference (QUMem §3.4), and its baseline.
 
-Two entry points, both stage-batched (every sub-query of every request embedded in ONE encode
-call, then one faiss search per (user, store) holding all of that group's vectors, each row filtered by
-its own as_of):
+Two entry points, both stage-batched (every sub-query of a user's requests embedded in one encode
+call of that user's, ``encode_per_user``, then one faiss search per (user, store) holding all of that
+group's vectors, each row filtered by its own as_of):
 
 - :func:`execute_plans` runs each request's planned sub-queries (rewritten query + non-empty subset
   of {fact, preference, insight}) against the user's chosen stores, top-k per (sub-query, store),
@@ -83,19 +83,13 @@ def execute_plans(
     ``k``: top-k per (planned query, store). ``limit``: keep only the best ``limit`` after merging
     (None keeps all). ``query_vectors``: optional precomputed text -> vector (skips encoding those).
     """
-    texts: list[str] = []
-    seen: dict[str, int] = {}
-    for req in requests:
-        for pq in req.planned:
-            if pq.query not in seen and (query_vectors is None or pq.query not in query_vectors):
-                seen[pq.query] = len(texts)
-                texts.append(pq.query)
-    encoded = embedder.encode(texts, batch_size=batch_size) if texts else np.zeros((0, 0), np.float32)
+    encoded = encode_per_user(embedder, [(req.user_id, pq.query) for req in requests for pq in req.planned
+                                         if query_vectors is None or pq.query not in query_vectors], batch_size=batch_size)
 
-    def vec(text: str) -> np.ndarray:
+    def vec(user_id: str, text: str) -> np.ndarray:
         if query_vectors is not None and text in query_vectors:
             return np.asarray(query_vectors[text], dtype=np.float32)
-        return encoded[seen[text]]
+        return encoded[(user_id, text)]
 
     # group every (request, sub-query, store) by (user, store): one search per group, each row
     # filtered by its own request's as_of
@@ -106,7 +100,7 @@ def execute_plans(
                 groups[(req.user_id, t)].append((ri, si))
     merged: list[dict[str, Candidate]] = [dict() for _ in requests]
     for (user_id, t), members in groups.items():
-        q = np.stack([vec(requests[ri].planned[si].query) for ri, si in members])
+        q = np.stack([vec(user_id, requests[ri].planned[si].query) for ri, si in members])
         as_ofs = [requests[ri].as_of_position for ri, _ in members]
         hits = store.search(user_id, t, q, k, as_ofs[0] if len(set(as_ofs)) == 1 else as_ofs)
         for (ri, si), row in zip(members, hits):
@@ -127,6 +121,25 @@ def execute_plans(
         for c in cands:
             c.sub_queries.sort()
         out.append(cands[:limit] if limit is not None else cands)
+    return out
+
+
+def encode_per_user(embedder, pairs: Sequence[tuple[str, str]], *, batch_size: int = 128) -> dict[tuple[str, str], np.ndarray]:
+    """(user_id, text) -> its vector, each user's distinct texts in encoder calls of their own.
+
+    Why: a vector's float32 bits depend on the texts batched beside it (padding, BLAS kernels by shape
+    and row position), and a near tie between two memories can turn on those bits; one call over every
+    user's queries made a user's retrieval, its A3 prompt and so its paid call depend on who else was in
+    the batch (a retry of part of a batch would pay again). A user's queries still share calls."""
+    by_user: dict[str, list[str]] = {}
+    for user_id, text in pairs:
+        texts = by_user.setdefault(user_id, [])
+        if text not in texts:
+            texts.append(text)
+    out: dict[tuple[str, str], np.ndarray] = {}
+    for user_id, texts in by_user.items():
+        for text, v in zip(texts, embedder.encode(texts, batch_size=batch_size)):
+            out[(user_id, text)] = v
     return out
 
 
@@ -174,5 +187,5 @@ class TypedMemoryRetriever:
         return out
 
 
-__all__ = ["PlannedQuery", "RetrievalRequest", "Candidate", "execute_plans", "baseline_requests",
+__all__ = ["PlannedQuery", "RetrievalRequest", "Candidate", "execute_plans", "encode_per_user", "baseline_requests",
            "retrieve_baseline", "TypedMemoryRetriever", "DEFAULT_K"]

@@ -161,8 +161,11 @@ def vectors_for(memories: pl.DataFrame, embeddings: pl.DataFrame | None, embedde
     vec: dict[str, np.ndarray] = {}
     if embeddings is not None and embeddings.height and set(embeddings["embedding_model"].unique()) == {embedder.version}:
         vec = dict(zip(embeddings["memory_id"].to_list(), embeddings["embedding"].to_numpy()))
-    todo = [r for r in memories.select("memory_id", "content").iter_rows() if r[0] not in vec]
-    if todo:
+    by_user: dict[str, list[tuple[str, str]]] = {}
+    for m, u, c in memories.select("memory_id", "user_id", "content").iter_rows():
+        if m not in vec:
+            by_user.setdefault(u, []).append((m, c))
+    for todo in by_user.values():  # each user's in calls of its own: its groups never depend on the run's other users
         enc = embedder.encode([c for _, c in todo])
         vec.update({m: enc[i] for i, (m, _) in enumerate(todo)})
     return vec

@@ -1,6 +1,6 @@
 """AdaMem's route-planned hybrid retrieval over one user's turns, memories, profile entries and graph.
 
-Per query (all queries of a batch embedded in one encode call; each user's units embedded once):
+Per query (each user's queries of a batch embedded in one encode call of their own; each user's units embedded once):
 
 1. baseline semantic candidates from three channels - persona profile entries, memories of the
    target participant's bundle (facts first), and turns (dense, plus turns linked to a topic the
@@ -205,14 +205,15 @@ class AdaMemRetriever:
         self.bundles, self.embedder = bundles, embedder
 
     def retrieve_routed(self, requests: Sequence[tuple[str, str, int, RoutePlan, str]], k: int) -> list[list[Hit]]:
-        """(user_id, text, as_of, plan, target) per query -> hits; all texts embedded in one call."""
-        texts = list(dict.fromkeys(r[1] for r in requests))
-        vecs = self.embedder.encode(texts) if texts else np.zeros((0, 0), np.float32)
-        row = {t: i for i, t in enumerate(texts)}
+        """(user_id, text, as_of, plan, target) per query -> hits; each user's texts embedded in one call of
+        its own (``query.retrieval.encode_per_user``: a user's hits never depend on the other users' queries)."""
+        from qumem_pipeline.query.retrieval import encode_per_user
+
+        vecs = encode_per_user(self.embedder, [(r[0], r[1]) for r in requests])
         out = []
         for user_id, text, as_of, plan, target in requests:
             bundle = self.bundles.get(user_id)
             if bundle is None:
                 raise KeyError(f"no AdaMem bundle for user {user_id!r} (materialize memories and memory_graph)")
-            out.append(bundle.retrieve(text, vecs[row[text]], as_of, plan, k, target))
+            out.append(bundle.retrieve(text, vecs[(user_id, text)], as_of, plan, k, target))
         return out
