@@ -131,13 +131,12 @@ def encode_per_user(embedder, pairs: Sequence[tuple[str, str]], *, batch_size: i
     and row position), and a near tie between two memories can turn on those bits; one call over every
     user's queries made a user's retrieval, its A3 prompt and so its paid call depend on who else was in
     the batch (a retry of part of a batch would pay again). A user's queries still share calls."""
-    by_user: dict[str, list[str]] = {}
+    by_user: dict[str, dict[str, None]] = {}
     for user_id, text in pairs:
-        texts = by_user.setdefault(user_id, [])
-        if text not in texts:
-            texts.append(text)
+        by_user.setdefault(user_id, {})[text] = None  # distinct, in first-seen order
     out: dict[tuple[str, str], np.ndarray] = {}
-    for user_id, texts in by_user.items():
+    for user_id, distinct in by_user.items():
+        texts = list(distinct)
         for text, v in zip(texts, embedder.encode(texts, batch_size=batch_size)):
             out[(user_id, text)] = v
     return out

@@ -27,6 +27,7 @@ from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import PERSONA_MERGE, call_tags
 from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.query.retrieval import encode_per_user
 
 PROFILE_TYPES = ("preference", "insight")
 SIMILARITY = 0.75
@@ -161,13 +162,10 @@ def vectors_for(memories: pl.DataFrame, embeddings: pl.DataFrame | None, embedde
     vec: dict[str, np.ndarray] = {}
     if embeddings is not None and embeddings.height and set(embeddings["embedding_model"].unique()) == {embedder.version}:
         vec = dict(zip(embeddings["memory_id"].to_list(), embeddings["embedding"].to_numpy()))
-    by_user: dict[str, list[tuple[str, str]]] = {}
-    for m, u, c in memories.select("memory_id", "user_id", "content").iter_rows():
-        if m not in vec:
-            by_user.setdefault(u, []).append((m, c))
-    for todo in by_user.values():  # each user's in calls of its own: its groups never depend on the run's other users
-        enc = embedder.encode([c for _, c in todo])
-        vec.update({m: enc[i] for i, (m, _) in enumerate(todo)})
+    todo = [r for r in memories.select("memory_id", "user_id", "content").iter_rows() if r[0] not in vec]
+    # each user's contents in calls of its own: a user's groups never depend on the run's other users
+    enc = encode_per_user(embedder, [(u, c) for _, u, c in todo])
+    vec.update({m: enc[(u, c)] for m, u, c in todo})
     return vec
 
 
