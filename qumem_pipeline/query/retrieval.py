@@ -1,7 +1,7 @@
 """The retrieval stage of query-conditioned user-state inference (QUMem §3.4), and its baseline.
 
 Two entry points, both stage-batched (every sub-query of a user's requests embedded in one encode
-call of that user's, ``encode_per_user``, then one faiss search per (user, store) holding all of that
+call of that user's, ``index.per_user_encode.encode_per_user``, then one faiss search per (user, store) holding all of that
 group's vectors, each row filtered by its own as_of):
 
 - :func:`execute_plans` runs each request's planned sub-queries (rewritten query + non-empty subset
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from qumem_pipeline.index.per_user_encode import encode_per_user
 from qumem_pipeline.index.vector_store import MEMORY_TYPES, VectorStore, normalize_type
 from qumem_pipeline.query.strategies.base import RetrievedMemory
 
@@ -124,24 +125,6 @@ def execute_plans(
     return out
 
 
-def encode_per_user(embedder, pairs: Sequence[tuple[str, str]], *, batch_size: int = 128) -> dict[tuple[str, str], np.ndarray]:
-    """(user_id, text) -> its vector, each user's distinct texts in encoder calls of their own.
-
-    Why: a vector's float32 bits depend on the texts batched beside it (padding, BLAS kernels by shape
-    and row position), and a near tie between two memories can turn on those bits; one call over every
-    user's queries made a user's retrieval, its A3 prompt and so its paid call depend on who else was in
-    the batch (a retry of part of a batch would pay again). A user's queries still share calls."""
-    by_user: dict[str, dict[str, None]] = {}
-    for user_id, text in pairs:
-        by_user.setdefault(user_id, {})[text] = None  # distinct, in first-seen order
-    out: dict[tuple[str, str], np.ndarray] = {}
-    for user_id, distinct in by_user.items():
-        texts = list(distinct)
-        for text, v in zip(texts, embedder.encode(texts, batch_size=batch_size)):
-            out[(user_id, text)] = v
-    return out
-
-
 def baseline_requests(queries: Sequence[tuple[str, str, str, int | None]]) -> list[RetrievalRequest]:
     """(query_id, user_id, query text, as_of_position) -> one all-store request each."""
     return [RetrievalRequest(qid, uid, [PlannedQuery(text, MEMORY_TYPES)], as_of) for qid, uid, text, as_of in queries]
@@ -186,5 +169,5 @@ class TypedMemoryRetriever:
         return out
 
 
-__all__ = ["PlannedQuery", "RetrievalRequest", "Candidate", "execute_plans", "encode_per_user", "baseline_requests",
+__all__ = ["PlannedQuery", "RetrievalRequest", "Candidate", "execute_plans", "baseline_requests",
            "retrieve_baseline", "TypedMemoryRetriever", "DEFAULT_K"]

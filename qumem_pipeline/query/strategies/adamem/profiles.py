@@ -27,7 +27,7 @@ from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import PERSONA_MERGE, call_tags
 from qumem_pipeline.contracts.stage_versions import stage_version
-from qumem_pipeline.query.retrieval import encode_per_user
+from qumem_pipeline.index.per_user_encode import encode_per_user
 
 PROFILE_TYPES = ("preference", "insight")
 SIMILARITY = 0.75

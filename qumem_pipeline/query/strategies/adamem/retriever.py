@@ -25,7 +25,7 @@ from datetime import datetime
 import numpy as np
 import polars as pl
 
-from qumem_pipeline.query.retrieval import encode_per_user
+from qumem_pipeline.index.per_user_encode import encode_per_user
 from qumem_pipeline.query.strategies.adamem.graph import MemoryGraph, build_memory_graph, memory_node, turn_node
 from qumem_pipeline.query.strategies.adamem.lexical import BM25Index
 from qumem_pipeline.query.strategies.adamem.participants import AMBIGUOUS, BOTH, Participants, owners_for, resolve
@@ -207,7 +207,7 @@ class AdaMemRetriever:
 
     def retrieve_routed(self, requests: Sequence[tuple[str, str, int, RoutePlan, str]], k: int) -> list[list[Hit]]:
         """(user_id, text, as_of, plan, target) per query -> hits; each user's texts embedded in one call of
-        its own (``query.retrieval.encode_per_user``: a user's hits never depend on the other users' queries)."""
+        its own (``index.per_user_encode.encode_per_user``: a user's hits never depend on the other users' queries)."""
         vecs = encode_per_user(self.embedder, [(r[0], r[1]) for r in requests])
         out = []
         for user_id, text, as_of, plan, target in requests:
