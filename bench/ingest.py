@@ -15,7 +15,10 @@ child process of its own, so its peak RSS (getrusage of that child) is its own:
 - `ingest`: `sync_archive` into a fresh data root: read in blocks, validate, spill by user bucket,
   merge, write every table, fingerprints, manifest;
 - `incremental`: one new file of 10,000 turns (later turns of 100 existing users) added to the
-  ingested archive, then `sync_archive` again (change detection over every file + ingest);
+  ingested archive, then `sync_archive` again (change detection over every file + ingest); done
+  `INCREMENTAL_RUNS` times, each with a further new file, and the median run reported (one run of
+  ~1 s moved by a tenth between runs), with its steps (`incremental_stages_s`: lock and lease, plan,
+  manifest writes, read, merge, fingerprints, writes);
 - `read`: 100 users' turns read back through DataLayout (best of 3);
 - `hash`: the content-hash (BLAKE3) + line-count pass over the archive's files that every ingest
   of new files makes (the manifest's content hash; rows must be lines), alone: `ratio_ceiling` =
@@ -58,6 +61,7 @@ WORDS = ("trip plan dinner vegan window seat swim run knee doctor budget book pi
          "weekend flight hotel recipe garden dog cat meeting deadline report coffee tea").split()
 TURNS_PER_FILE = 1_000_000
 NEW_FILE_TURNS = 10_000
+INCREMENTAL_RUNS = 3
 READ_USERS = 100
 
 
@@ -102,13 +106,14 @@ def generate(archive: Path, n_turns: int, n_users: int) -> list[Path]:
     return files
 
 
-def add_new_file(archive: Path, n_turns: int, n_users: int) -> Path:
-    """10,000 later turns of the first 100 users, in a file that sorts after the others."""
-    per_user = n_turns // n_users
-    users = np.repeat(np.arange(READ_USERS), NEW_FILE_TURNS // READ_USERS)
-    t = np.tile(np.arange(per_user, per_user + NEW_FILE_TURNS // READ_USERS), READ_USERS)
-    path = archive / "period-999-new.jsonl"
-    _frame(users, t, seed=999).write_ndjson(path)
+def add_new_file(archive: Path, n_turns: int, n_users: int, k: int = 0) -> Path:
+    """10,000 later turns of the first 100 users, in a file that sorts after the others (the k-th
+    such file holds the turns after the (k-1)-th's)."""
+    per_user, each = n_turns // n_users, NEW_FILE_TURNS // READ_USERS
+    users = np.repeat(np.arange(READ_USERS), each)
+    t = np.tile(np.arange(per_user + k * each, per_user + (k + 1) * each), READ_USERS)
+    path = archive / f"period-999-new-{k}.jsonl"
+    _frame(users, t, seed=999 + k).write_ndjson(path)
     return path
 
 
@@ -274,9 +279,12 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
         # the pass over the archive's bytes the manifest needs (sha256 + line count), alone
         hashed = run_child("hash", work)
         writers = run_child("writers", work) if readers else None
-        add_new_file(work / "archive", n_turns, n_users)
-        inc = run_child("incremental", work)
-        assert inc["files_read"] == 1 and inc["rows_read"] == NEW_FILE_TURNS
+        runs = []
+        for k in range(INCREMENTAL_RUNS):
+            add_new_file(work / "archive", n_turns, n_users, k)
+            runs.append(run_child("incremental", work))
+            assert runs[-1]["files_read"] == 1 and runs[-1]["rows_read"] == NEW_FILE_TURNS
+        inc = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]  # the median run
         out = {
             "turns": base["rows"], "users": n_users, "files": len(files), "archive_mb": round(mb, 1),
             "generate_s": round(gen_s, 1),
@@ -298,6 +306,7 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
             "ratio_ceiling": round(base["seconds"] / (base["seconds"] + hashed["seconds"]), 3),
             "cpu_ratio_ceiling": round(base["cpu_s"] / (base["cpu_s"] + hashed["cpu_s"]), 3),
             "incremental_s": inc["seconds"], "incremental_users_rebuilt": inc["users_rebuilt"],
+            "incremental_runs_s": [r["seconds"] for r in runs], "incremental_stages_s": inc["stages_s"],
             "incremental_ratio": round(inc["seconds"] / ingest["seconds"], 4),
             "read_100_users_s": read["best_s"], "read_100_users_rows": read["rows"],
             "files_per_table": files_per_table(work / "data"),

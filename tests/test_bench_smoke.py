@@ -32,6 +32,11 @@ def test_ingest_smallest():
     assert got["turns"] == 2000 and got["ratio"] > 0 and got["ratio_contract"] > 0 and got["peak_rss_mb"] > 0
     assert got["configs"]["2000"]["contract_s"] > 0 and got["configs"]["2000"]["contract_cpu_s"] > 0
     assert got["files_per_table"]["turns"] >= 1
+    cfg = got["configs"]["2000"]
+    assert len(cfg["incremental_runs_s"]) == 3 and cfg["incremental_s"] in cfg["incremental_runs_s"]
+    stages = cfg["incremental_stages_s"]  # the incremental's steps, the fixed ones included
+    assert {"lock", "plan", "manifest", "read_check_spill", "merge", "write"} <= stages.keys()
+    assert stages["plan"] > 0 and stages["manifest"] > 0 and stages["write"] > 0
 
 
 def test_retrieval_latency_smoke():

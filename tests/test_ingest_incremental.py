@@ -232,6 +232,44 @@ def test_killed_run_is_finished_by_the_next(archive, tmp_path, monkeypatch):
     assert_tables_equal_one_shot(layout, archive)
 
 
+def test_a_failed_table_write_leaves_no_fingerprint_and_no_write_in_flight(archive, tmp_path, monkeypatch):
+    """The data tables are written at once on threads: one failing must not let the fingerprints (which
+    vouch for the turns) be written, nor leave another table's write running after the sync has raised
+    and released the root's lock; the next sync finishes the users."""
+    import threading
+    import time
+
+    cfg = ArchiveConfig(str(archive))
+    layout = DataLayout(tmp_path / "data")
+    real = sync.replace_users
+    ended: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def flaky(layout_, table, users, df, dense=False):
+        if table == "quarantine":
+            raise RuntimeError("quarantine write failed")
+        if table == "turns":
+            time.sleep(0.5)  # still writing when the quarantine write has failed
+        out = real(layout_, table, users, df, dense)
+        with lock:
+            ended[table] = time.monotonic()
+        return out
+
+    monkeypatch.setattr(sync, "replace_users", flaky)
+    with pytest.raises(RuntimeError, match="quarantine write failed"):
+        sync_archive(cfg, layout)
+    raised = time.monotonic()
+    monkeypatch.setattr(sync, "replace_users", real)
+    assert "turns" in ended and ended["turns"] <= raised  # the slow write ended before the sync raised
+    assert "fingerprints" not in ended
+    fps = layout.read_table("fingerprints")
+    assert fps is None or fps.height == 0
+    assert {r["ingest_version"] for r in sync.read_manifest(layout).values()} == {"pending"}
+    r = sync_archive(cfg, layout)
+    assert r.files_read == 3
+    assert_tables_equal_one_shot(layout, archive)
+
+
 def test_forgotten_user_never_ingested(archive, tmp_path):
     data = tmp_path / "data"
     reg = ForgetRegistry(data)

@@ -125,8 +125,11 @@ class SyncReport:
     rows_read: int = 0
     quarantined_read: int = 0
     seconds: float = 0.0
-    stages_s: dict = field(default_factory=lambda: {"read_check_spill": 0.0, "merge": 0.0, "fingerprints": 0.0, "write": 0.0,
-                                                             "write_wait": 0.0})
+    # Seconds by step. The fixed steps (lock: this host's lock and the root's lease; plan: archive
+    # listing, manifest read, change detection; manifest: its pending and final writes) are most of an
+    # incremental run's time, so they are timed too (bench/ingest.py: `incremental_stages_s`).
+    stages_s: dict = field(default_factory=lambda: {"lock": 0.0, "plan": 0.0, "manifest": 0.0, "read_check_spill": 0.0,
+                                                             "merge": 0.0, "fingerprints": 0.0, "write": 0.0, "write_wait": 0.0})
 
     def _add(self, stage: str, since: float) -> float:
         now = time.perf_counter()
@@ -162,6 +165,7 @@ def sync_archive(
     before it stay, and the files stay pending, so the next sync redoes them."""
     t0 = time.perf_counter()
     with _exclusive(layout) as lease:
+        t_locked = time.perf_counter()
         # the registry as of now, not as of when the caller built it: a forget that keyed its files
         # while this sync waited for the lock must not be undone by a plan made on the older read
         if getattr(forgotten, "tombstones", None) is not None:
@@ -170,6 +174,8 @@ def sync_archive(
         plan = plan_files(list_archive(cfg.path, cfg.format), read_manifest(layout), version, keyed=_file_keyer(forgotten))
         report = SyncReport(new=[f.file_id for f in plan.new], changed=[f.file_id for f in plan.changed],
                             gone=list(plan.gone), unchanged=len(plan.unchanged))
+        report.stages_s["lock"] = round(t_locked - t0, 3)
+        report._add("plan", t_locked)
         if plan.touched:
             job = _Sync(cfg, layout, forgotten, plan, version, report, now)
             job.reader, job.before_commit, job.lease, job.progress = reader, before_commit, lease, progress
@@ -237,7 +243,9 @@ class _Sync:
         self.n_sub = max(1, math.ceil(read_bytes / self.n_store / bucket_bytes))
         self._bucket_of: dict[str, int] = {}
         # Pending first: a run killed from here on is redone by the next (see module doc).
+        t = time.perf_counter()
         _write_manifest(self.layout, self.plan, {}, self.version, pending=True)
+        self.report._add("manifest", t)
         parent = _host_path(self.layout, ".scratch")
         parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix="sync-", dir=parent))
@@ -275,7 +283,9 @@ class _Sync:
             shutil.rmtree(scratch, ignore_errors=True)
         if self.lease is not None:
             self.lease.check()
+        t = time.perf_counter()
         _write_manifest(self.layout, self.plan, self.file_stats, self.version, keyer=_file_keyer(self.forgotten))
+        self.report._add("manifest", t)
 
     def _key_groups(self, users_by_key: dict[int, list[str]], history: dict[str, int],
                     bucket_bytes: int) -> list[list[int]]:
@@ -442,18 +452,34 @@ class _Sync:
         def _write(w: float) -> None:
             if self.lease is not None:  # a host that lost the root's ingest lease writes nothing more
                 self.lease.check()
-            self._write_turns(users, turns, stored_turns)
+            writes = [lambda: self._write_turns(users, turns, stored_turns),
+                      lambda: self._write_file_users(users, file_users, held[FILE_USERS_TABLE])]
             if self._may_hold(old_q, quarantine):
-                replace_users(self.layout, "quarantine", users, quarantine)
+                writes.append(lambda: replace_users(self.layout, "quarantine", users, quarantine))
             if self._may_hold(stored_dups, dup_rows):
-                replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows)
-            self._write_file_users(users, file_users, held[FILE_USERS_TABLE])
+                writes.append(lambda: replace_users(self.layout, DUPLICATES_TABLE, users, dup_rows))
+            self._write_tables(writes)
             # Recorded only after the users' data is in place: a fingerprint vouches for its turns.
             replace_users(self.layout, "fingerprints", users, fingerprints(), dense=True)
             self.report._add("write", w)
             self.report.users_rebuilt += len(users)
 
         self._submit(write)
+
+    def _write_tables(self, writes: list) -> None:
+        """The users' data tables, each its own commit, written at once on threads (one table per
+        thread, as `_read_stored` reads them): on an incremental run each commit is mostly fixed
+        waits (log reads, the registry check, the commit's put) that overlap. All of them end
+        before the fingerprints are written; the first failure is raised after the rest ended, and
+        a killed run leaves its files pending, so the next sync rebuilds these users (module doc)."""
+        if len(writes) == 1 or not hasattr(self.layout, "store"):
+            for w in writes:
+                w()
+            return
+        with ThreadPoolExecutor(max_workers=len(writes), thread_name_prefix="qumem-ingest-tables") as pool:
+            futures = [pool.submit(w) for w in writes]
+        for f in futures:
+            f.result()
 
     def _submit(self, write) -> None:
         """Run one group's writes on the writer thread while the next group merges (delta-rs

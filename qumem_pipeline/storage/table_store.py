@@ -38,6 +38,7 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -138,6 +139,8 @@ class TableStore:
         self.dropped_forgotten: Counter = Counter()  # table -> writes that dropped a forgotten user's rows
         self.files_read: Counter = Counter()  # table -> data files opened by `read_buckets`
         self._tombstones = None
+        self._counts_lock = threading.Lock()  # the counters above, bumped by writes on several threads (ingest/sync.py)
+        self._registry_lock = threading.Lock()
 
     def plain_handle(self) -> "TableStore":
         """Another handle on the same root with no bucket count of its own (for root-level registries)."""
@@ -146,7 +149,14 @@ class TableStore:
         return store
 
     def tombstones(self):
-        """The forget registry of this root (read fresh at each write's commit)."""
+        """The forget registry of this root (read fresh at each write's commit). Made once under a
+        lock: writes of several tables on threads share it (its reads take its own lock)."""
+        if self._tombstones is None:
+            with self._registry_lock:
+                return self._make_tombstones()
+        return self._tombstones
+
+    def _make_tombstones(self):
         if self._tombstones is None:
             from qumem_pipeline.storage.tombstones import Tombstones
 
@@ -299,7 +309,8 @@ class TableStore:
         pieces = [fmt.make_fragment(f"{base}/{table}/{unquote(path)}", filesystem=fs,
                                     partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
                   for path, b in (acts.select("path", f"partition.{BUCKET}").iter_rows() if acts.height else [])]
-        self.files_read[table] += len(pieces)
+        with self._counts_lock:
+            self.files_read[table] += len(pieces)
         if pieces:
             arrow = pads.FileSystemDataset(pieces, ds.schema, fmt, fs).to_table(filter=where, columns=cols)
         else:
@@ -572,7 +583,8 @@ class TableStore:
         buckets = {u: user_bucket(u, n) for u in users}
         commit = self._commit_properties(dt, {"qumem.operation": operation, "qumem.users": str(len(users))})
         path = self._fast_write(table, dt, df, target, new_cols, buckets, operation, commit, n)
-        self.write_paths[path] += 1
+        with self._counts_lock:
+            self.write_paths[path] += 1
         if path == WRITTEN:
             self._tables.pop(table, None)
             dt2 = self._open(table)
@@ -603,7 +615,8 @@ class TableStore:
         gone = self.tombstones().forgotten_among(users)
         if not gone:
             return users, frames, empty
-        self.dropped_forgotten[table] += 1
+        with self._counts_lock:
+            self.dropped_forgotten[table] += 1
         frames = [f.filter(~pl.col(KEY).is_in(sorted(gone))) for f in frames]
         return ([u for u in users if u not in gone], [f for f in frames if f.height],
                 [u for u in empty if u not in gone])
