@@ -132,6 +132,47 @@ def test_the_ingest_sync_holds_the_roots_lease(tmp_path, monkeypatch):
     assert {DeltaTable(layout.store.uri(t)).transaction_version("qumem-fence-ingest") for t in tables} == {5}
 
 
+def test_the_ingest_fences_only_its_own_tables_and_refuses_a_commit_outside_them(tmp_path):
+    """The stages' tables beside the ingest's get no takeover commit from a sync (each costs a table load
+    and a commit), and a holder fenced for some tables cannot commit to another one unfenced."""
+    from deltalake import DeltaTable
+
+    from qumem_pipeline.ingest.archive import ArchiveConfig
+    from qumem_pipeline.ingest.sync import INGEST_TABLES, sync_archive
+    from qumem_pipeline.storage.lease import fenced
+    from qumem_pipeline.storage.layout import DataLayout
+    from qumem_pipeline.storage.table_store import FenceScopeError
+    from tests.conftest import conversation, write_jsonl
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    write_jsonl(archive / "a.jsonl", conversation("u1", "c1", ["hi", "hello", "how are you", "fine"]))
+    layout = DataLayout(tmp_path / "data")
+    layout.store.append("memories", _row("stage", 0))  # a stage's table in the same root
+    before = DeltaTable(layout.store.uri("memories")).version()
+    sync_archive(ArchiveConfig(str(archive)), layout)
+    sync_archive(ArchiveConfig(str(archive)), layout)  # the second takes over from the first: fences again
+    assert DeltaTable(layout.store.uri("memories")).version() == before  # no commit from either sync
+    assert DeltaTable(layout.store.uri("memories")).transaction_version(FENCE_APP) is None
+    written = [t for t in layout.store.tables() if t != "memories"]
+    assert written and set(written) <= set(INGEST_TABLES)
+    tokens = {DeltaTable(layout.store.uri(t)).transaction_version(FENCE_APP) for t in written}
+    assert len(tokens) == 1 and None not in tokens  # every ingest table carries the last sync's token
+
+    lease = Lease(tmp_path / "data", "ingest", ttl_s=600, holder="host-c:1:x")
+    lease.acquire()
+    try:
+        with fenced(lease, layout.store, tables=INGEST_TABLES):
+            with pytest.raises(FenceScopeError, match="memories"):
+                layout.store.append("memories", _row("stage", 1))
+            layout.store.append("turns", _row("ingest", 1))  # inside the scope: commits, with the token
+        assert layout.store.fence is None and layout.store.fence_scope is None
+        layout.store.append("memories", _row("stage", 2))  # the fence is off: any table again
+    finally:
+        lease.release()
+    assert sorted(layout.store.read("memories")["i"].to_list()) == [0, 2]
+
+
 def test_a_holder_whose_renewals_stall_stops_writing_at_its_ttl(tmp_path, monkeypatch):
     lease = Lease(tmp_path, "ingest", ttl_s=1.0, holder="host-s:1:x")
     lease.acquire()

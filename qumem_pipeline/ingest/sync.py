@@ -90,6 +90,9 @@ from qumem_pipeline.ingest.validate import (
 )
 
 DUPLICATES_TABLE = "turn_duplicates"
+# Every table a sync (or a forget's keying of the manifest) commits to: only these carry the root's
+# ingest lease fence (storage/lease.py `fenced(tables=...)`); a commit to another one while fenced raises.
+INGEST_TABLES = ("turns", "quarantine", DUPLICATES_TABLE, "fingerprints", FILE_USERS_TABLE, MANIFEST_TABLE)
 # A stored turn in memory, about (bench/ingest.py's generated turns): sizes the merge groups, so a
 # small new file that touches users with long histories still merges in bounded pieces.
 _STORED_ROW_BYTES = 400
@@ -214,7 +217,8 @@ def _exclusive(layout):
 
         # fenced: every commit of the sync carries the lease's fencing token (a holder that lost
         # the lease, even one paused past its ttl, commits nothing: storage/lease.py)
-        with held(store.root, "ingest", storage_options=store.storage_options) as lease, fenced(lease, store):
+        with held(store.root, "ingest", storage_options=store.storage_options) as lease, \
+                fenced(lease, store, tables=INGEST_TABLES):
             yield lease
 
 

@@ -40,13 +40,15 @@ earlier holder's. While fenced, every commit of the `TableStore` carries the tok
 application transaction and refuses (`table_store.FencedOut`) on a snapshot whose recorded
 version of that app id is larger; a commit racing a newer holder's token on the same table fails
 delta-rs' concurrent-transaction check and, retried on a fresh snapshot, refuses. On entry,
-`fenced` puts the new token on every data table of the root that exists then (one empty commit per
-table carrying only the transaction, 8 tables at a time; measured for 12 tables: 35-50 ms on local
-disk, 0.8-1.2 s on moto's S3 server on loopback, most of it loading each table).
+`fenced` puts the new token on every data table of the root that exists then, or on the holder's own
+tables when it names them (`fenced(tables=...)`: the ingest's six; a commit to another table inside
+then raises), one empty commit per table carrying only the transaction, 8 tables at a time (measured
+for 12 tables: 35-50 ms on local disk, 0.8-1.2 s on moto's S3 server on loopback, most of it loading
+each table).
 
 The guarantee, precisely: on each table, no commit with an older holder's token lands after the
 first commit with a newer one (in each table's log, tokens never decrease from there on). The new holder's first commit on every
-table that exists when it enters `fenced` is that takeover commit, before the body runs; a table
+table it fences (that exists when it enters `fenced`) is that takeover commit, before the body runs; a table
 created later is fenced from the new holder's first commit on it (before that, an older holder
 paused past its ttl could still create it and commit to it). A takeover waits for the old lease
 to expire, and a live old holder stops itself at its own ttl (`check()`), so that gap needs a
@@ -326,12 +328,13 @@ class Lease:
         self._renewer.start()
 
     # -------------------------------------------------------------- fencing
-    def fence_tables(self, store, workers: int = 8) -> list[str]:
-        """Put this hold's fencing token on every data table of `store`'s root (one empty commit
-        each that carries only the application transaction), so that no older holder commits to
-        any of them from now on. Returns the tables fenced now (not those already fenced by us).
-        Raises `FencedOut` when a table already carries a newer holder's token."""
-        tables = store.tables()
+    def fence_tables(self, store, workers: int = 8, tables=None) -> list[str]:
+        """Put this hold's fencing token on every data table of `store`'s root, or on those of
+        `tables` that exist (one empty commit each that carries only the application transaction),
+        so that no older holder commits to any of them from now on. Returns the tables fenced now
+        (not those already fenced by us). Raises `FencedOut` when a table already carries a newer
+        holder's token."""
+        tables = store.tables() if tables is None else sorted(set(tables))
         if not tables:
             return []
         with ThreadPoolExecutor(max_workers=min(workers, len(tables))) as pool:
@@ -384,13 +387,20 @@ def held(root: str, name: str, **kw):
 
 
 @contextmanager
-def fenced(lease: Lease, store):
+def fenced(lease: Lease, store, tables=None):
     """Every commit `store` makes inside carries `lease`'s fencing token, and every data table of
-    its root that exists on entry carries it before the body runs (see the module docstring)."""
-    previous = store.fence
+    its root that exists on entry carries it before the body runs (see the module docstring).
+
+    `tables`: the only tables the holder's work may commit to (the ingest's six, not the stages'
+    tables beside them): only those are fenced on entry, and a commit to any other table inside
+    raises `FenceScopeError`, so the list cannot silently fall behind the code. Why: a takeover
+    commit costs a table load and a commit per table (1 s for 12 tables on S3, module docstring),
+    and an older holder of the same lease writes none of the others."""
+    previous, previous_scope = store.fence, store.fence_scope
     store.fence = lease.fence
+    store.fence_scope = None if tables is None else frozenset(tables)
     try:
-        lease.fence_tables(store)
+        lease.fence_tables(store, tables=tables)
         yield store
     finally:
-        store.fence = previous
+        store.fence, store.fence_scope = previous, previous_scope

@@ -88,6 +88,11 @@ class BucketMismatchError(ValueError):
     """The deployment's bucket count differs from the one a table was created with."""
 
 
+class FenceScopeError(RuntimeError):
+    """A fenced holder committed to a table outside the tables it fenced (a programming error: an older
+    holder's commits to that table would not be refused)."""
+
+
 class FencedOut(RuntimeError):
     """A newer lease holder's fence is on the table: this writer lost its lease and must not commit."""
 
@@ -136,6 +141,7 @@ class TableStore:
         self._tables: dict[str, DeltaTable] = {}
         self.write_paths: Counter = Counter()  # WRITTEN / SKIPPED / RACED per write this process made
         self.fence: tuple[str, int] | None = None  # (lease app id, holder's seq): see the module docstring
+        self.fence_scope: frozenset[str] | None = None  # the tables a fenced holder may commit to (None: all)
         self.dropped_forgotten: Counter = Counter()  # table -> writes that dropped a forgotten user's rows
         self.files_read: Counter = Counter()  # table -> data files opened by `read_buckets`
         self._tombstones = None
@@ -509,6 +515,11 @@ class TableStore:
         a snapshot where a newer holder's fence landed (see the module docstring)."""
         if self.fence is None:
             return CommitProperties(custom_metadata=custom)
+        if self.fence_scope is not None:
+            table = dt.table_uri.rstrip("/").rsplit("/", 1)[-1]
+            if table not in self.fence_scope:
+                raise FenceScopeError(f"{self.root}: a commit to {table!r}, outside the tables fenced for this lease "
+                                      f"({sorted(self.fence_scope)}): add it to the holder's table list")
         app_id, seq = self.fence
         seen = dt.transaction_version(app_id) or 0
         if seen > seq:
