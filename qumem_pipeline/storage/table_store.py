@@ -159,14 +159,10 @@ class TableStore:
         lock: writes of several tables on threads share it (its reads take its own lock)."""
         if self._tombstones is None:
             with self._registry_lock:
-                return self._make_tombstones()
-        return self._tombstones
+                if self._tombstones is None:
+                    from qumem_pipeline.storage.tombstones import Tombstones
 
-    def _make_tombstones(self):
-        if self._tombstones is None:
-            from qumem_pipeline.storage.tombstones import Tombstones
-
-            self._tombstones = Tombstones(self)
+                    self._tombstones = Tombstones(self)
         return self._tombstones
 
     # ------------------------------------------------------------------ naming and handles
