@@ -483,10 +483,18 @@ def test_a_run_stopped_by_sigint_reports_and_records_what_it_answered(toy, embed
     rec = tmp_path / "rec"
 
     class StopAtState(OpenAIBackend):
-        def generate(self, requests, *args, **kwargs):
+        @staticmethod
+        def _stop_at_state(requests):
             if any("user-state inference agent" in r.messages[0]["content"] for r in requests):
                 raise KeyboardInterrupt
+
+        def generate(self, requests, *args, **kwargs):
+            self._stop_at_state(requests)
             return super().generate(requests, *args, **kwargs)
+
+        def generate_each(self, requests, on_result):  # the ledger and the record send each call this way
+            self._stop_at_state(requests)
+            return super().generate_each(requests, on_result)
 
     with RunningFakeServer(_script(), tmp_path / "srv") as srv:
         report = run_qa(str(path), out=tmp_path / "run" / "qa.json", memories=mem_dir, chunk=2, embedder=embedder,

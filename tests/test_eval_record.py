@@ -131,6 +131,40 @@ def test_generate_each_records_and_replays(tmp_path):
     assert again == got and only.hits == 2 and not only.missing
 
 
+class StoppedPartWay(CountingBackend):
+    """An engine that finishes the first ``finish`` requests of a batch, then is stopped (SIGTERM or Ctrl-C
+    reaching the run as KeyboardInterrupt) with the rest in flight."""
+
+    def __init__(self, finish: int) -> None:
+        super().__init__()
+        self.finish = finish
+
+    def generate_each(self, requests, on_result):
+        for r in requests[: self.finish]:
+            on_result(r, self.generate([r])[0])
+        raise KeyboardInterrupt
+
+
+def test_a_batch_stopped_part_way_keeps_its_finished_calls(tmp_path):
+    """A QA batch goes through `generate`; the calls that finished before a stop are in the record and the
+    run's ledger, so the rerun sends only the calls that had not finished."""
+    from qumem_pipeline.eval.locomo.qa_ledger import LedgerBackend
+
+    rec, ledger = EvalRecord(tmp_path / "rec"), tmp_path / "run.ledger.jsonl"
+    batch = [req("one"), req("two", "conv-1#1/answer"), req("three", "conv-1#2/answer")]
+    stopped = StoppedPartWay(finish=2)
+    with pytest.raises(KeyboardInterrupt):
+        RecordBackend(LedgerBackend(stopped, ledger), rec).generate(batch)
+    assert stopped.sent == ["conv-1#0/answer", "conv-1#1/answer"]
+    assert len(rec.keys()) == 2 and len(ledger.read_text().splitlines()) == 2
+
+    rerun = CountingBackend()
+    out = RecordBackend(LedgerBackend(rerun, ledger), EvalRecord(tmp_path / "rec")).generate(batch)
+    assert rerun.sent == ["conv-1#2/answer"]
+    assert [r.parsed for r in out] == [{"answer": "3"}, {"answer": "3"}, {"answer": "5"}]
+    assert len(rec.keys()) == 3
+
+
 def test_record_status_json_is_one_compact_last_line(capsys):
     from qumem_pipeline.eval.record_cli import main
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from qumem_pipeline.llm.base import (
     ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, LLMEndpointError,
-    generate_each, read_output,
+    generate_each, read_output, send_keeping_each,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -401,20 +401,16 @@ class RecordBackend(BackendBase):
             for i in todo:
                 out[i] = self._miss(requests[i], keyed[i][0])
         elif todo:
-            try:
-                results = self.inner.generate([requests[i] for i in todo])
-            except LLMEndpointError as err:
-                partial = list(getattr(err, "partial_results", None) or [])
-                for i, res in zip(todo, partial):
-                    if res is not None:
-                        self._store(requests[i], *keyed[i], res)
-                        out[i] = res
-                err.partial_results = list(out)  # type: ignore[attr-defined]
-                raise
-            self.sent_here += len(todo)
-            for i, res in zip(todo, results):
+            def keep(i: int, res: ChatResult) -> None:
+                self.sent_here += 1
                 self._store(requests[i], *keyed[i], res)
                 out[i] = res
+
+            try:
+                send_keeping_each(self.inner, requests, todo, keep)
+            except LLMEndpointError as err:
+                err.partial_results = list(out)  # type: ignore[attr-defined]
+                raise
         for res in out:
             self._tally(res)  # type: ignore[arg-type]
         return out  # type: ignore[return-value]

@@ -7,7 +7,8 @@ parses and validates it, so callers see either `parsed` or an `error` naming wha
 """
 
 import json
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,6 +132,23 @@ def generate_each(backend: Any, requests: list[ChatRequest], on_result: OnResult
         fn(requests, on_result)
     else:
         generate_each_by_rounds(backend, requests, on_result)
+
+
+def send_keeping_each(inner, requests: Sequence[ChatRequest], todo: Sequence[int],
+                      keep: Callable[[int, ChatResult], None]) -> None:
+    """Send ``requests[i]`` for each ``i`` in ``todo`` through ``inner`` and ``keep(i, result)`` each one the
+    moment it finishes. Why: a batch stopped part-way (SIGTERM, Ctrl-C, an endpoint failure) has kept every
+    call that finished before the stop, so a rerun pays for none of them again; a batch returned whole
+    (``generate``) lost them all."""
+    slots: dict[int, list[int]] = defaultdict(list)
+    for i in todo:
+        slots[id(requests[i])].append(i)
+
+    def finished(req: ChatRequest, res: ChatResult) -> list[ChatRequest]:
+        keep(slots[id(req)].pop(0), res)
+        return []
+
+    generate_each(inner, [requests[i] for i in todo], finished)
 
 
 class BackendBase:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from qumem_pipeline.llm.base import (
     ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, LLMEndpointError, generate_each,
-    read_output,
+    read_output, send_keeping_each,
 )
 
 
@@ -139,22 +139,15 @@ class LedgerBackend(BackendBase):
         out: list[ChatResult | None] = [self._replay(req, fp) for req, fp in zip(requests, fps)]
         todo = [i for i, r in enumerate(out) if r is None]
         if todo:
+            def keep(i: int, res: ChatResult) -> None:
+                self.log.append([self._row(requests[i], fps[i], res, datetime.now(timezone.utc).isoformat())])
+                out[i] = res
+
             try:
-                results = self.inner.generate([requests[i] for i in todo])
-            except LLMEndpointError as err:
-                # keep what finished before the endpoint failed, and hand it back aligned to *these* requests
-                partial = list(getattr(err, "partial_results", None) or [])
-                now = datetime.now(timezone.utc).isoformat()
-                self.log.append([self._row(requests[i], fps[i], res, now)
-                                 for i, res in zip(todo, partial) if res is not None])
-                for i, res in zip(todo, partial):
-                    out[i] = res
+                send_keeping_each(self.inner, requests, todo, keep)
+            except LLMEndpointError as err:  # what finished is in the ledger; handed back aligned to *these* requests
                 err.partial_results = list(out)  # type: ignore[attr-defined]
                 raise
-            now = datetime.now(timezone.utc).isoformat()
-            self.log.append([self._row(requests[i], fps[i], res, now) for i, res in zip(todo, results)])
-            for i, res in zip(todo, results):
-                out[i] = res
         for res in out:
             self._tally(res)  # type: ignore[arg-type]
         return out  # type: ignore[return-value]
