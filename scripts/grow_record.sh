@@ -10,8 +10,8 @@
 # `--dtype bfloat16` the server's name has no dtype, the record keys its calls `...@auto`, and nothing already
 # recorded under `@bfloat16` is replayed: every call would be paid for again. On a CPU without bf16, recording
 # in float32 is a separate group (QUMEM_RECORD_DTYPE=float32); replays then need `--replay-model ...@float32`.
-# Stop a run with SIGTERM right after a batch was recorded (`git status --short eval_record` grows): the
-# calls of finished batches are kept and the next run replays them.
+# Stop a run with SIGTERM (or SIGINT, or `timeout -s TERM`): it reports what it answered, writes its run
+# manifest, and every call that finished is already in the record; the next run replays them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 2 ] || { echo "usage: $0 CONVERSATIONS STRATEGIES" >&2; exit 2; }

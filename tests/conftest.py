@@ -198,6 +198,7 @@ SYSTEM_TIER = frozenset({
     "test_postgres_instance.py",
     "test_recovery.py",
     "test_erasure_interleavings.py",
+    "test_eval_stop.py",
 })
 
 

@@ -43,7 +43,9 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -192,7 +194,7 @@ def run_qa(
         try:
             qa.answer(run, words, chunk, context_tokens)
         except KeyboardInterrupt:  # e.g. a recording run stopped at its deadline: what it answered still counts
-            qa.skipped["interrupted"] = ("stopped by SIGINT while answering: the report and the record hold the "
+            qa.skipped["interrupted"] = ("stopped by SIGINT or SIGTERM while answering: the report and the record hold the "
                                          "questions answered before; a rerun answers the rest")
             qa.log("[qa] interrupted: reporting and recording what was answered")
     finally:
@@ -704,9 +706,25 @@ def _replay_verdict(report: dict, record, cover: bool) -> int:
     return 0
 
 
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM (a deadline's `timeout`, a scheduler) and SIGINT both stop a run as Ctrl-C does: the answering
+    stops, and what was answered is reported and its run manifest recorded (run_qa's KeyboardInterrupt
+    path). SIGINT is set here too: a run started in the background of a non-interactive shell inherits it
+    ignored, and on 2026-12-05 no SIGINT could stop a recording run. A second signal acts as the default."""
+    def stop(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(argv) if argv is not None else sys.argv[1:]
     args = _parser().parse_args(raw)
+    _stop_like_ctrl_c()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from qumem_pipeline.eval.record import EvalRecord, default_root
