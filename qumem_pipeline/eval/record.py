@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from qumem_pipeline.llm.base import (
-    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, LLMEndpointError,
-    generate_each, read_output, send_keeping_each,
+    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult,
+    collect_each, generate_each, read_output,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -394,26 +394,7 @@ class RecordBackend(BackendBase):
         tally_call(self.used, self._tags, res)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
-        keyed = [self._key(r) for r in requests]
-        out: list[ChatResult | None] = [self._hit(r, k) for r, (k, _) in zip(requests, keyed)]
-        todo = [i for i, r in enumerate(out) if r is None]
-        if todo and self.inner is None:
-            for i in todo:
-                out[i] = self._miss(requests[i], keyed[i][0])
-        elif todo:
-            def keep(i: int, res: ChatResult) -> None:
-                self.sent_here += 1
-                self._store(requests[i], *keyed[i], res)
-                out[i] = res
-
-            try:
-                send_keeping_each(self.inner, requests, todo, keep)
-            except LLMEndpointError as err:
-                err.partial_results = list(out)  # type: ignore[attr-defined]
-                raise
-        for res in out:
-            self._tally(res)  # type: ignore[arg-type]
-        return out  # type: ignore[return-value]
+        return collect_each(self.generate_each, requests)  # each call recorded as it finishes
 
     def generate_each(self, requests: list[ChatRequest], on_result) -> None:
         keys: dict[int, tuple[str, dict]] = {}

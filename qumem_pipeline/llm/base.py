@@ -8,7 +8,7 @@ parses and validates it, so callers see either `parsed` or an `error` naming wha
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -134,21 +134,27 @@ def generate_each(backend: Any, requests: list[ChatRequest], on_result: OnResult
         generate_each_by_rounds(backend, requests, on_result)
 
 
-def send_keeping_each(inner, requests: Sequence[ChatRequest], todo: Sequence[int],
-                      keep: Callable[[int, ChatResult], None]) -> None:
-    """Send ``requests[i]`` for each ``i`` in ``todo`` through ``inner`` and ``keep(i, result)`` each one the
-    moment it finishes. Why: a batch stopped part-way (SIGTERM, Ctrl-C, an endpoint failure) has kept every
-    call that finished before the stop, so a rerun pays for none of them again; a batch returned whole
-    (``generate``) lost them all."""
+def collect_each(generate_each_fn: Callable[[list[ChatRequest], OnResult], None],
+                 requests: list[ChatRequest]) -> list[ChatResult]:
+    """`generate` as a wrapper's own ``generate_each`` collected in request order. Why: a wrapper that keeps
+    each call as it finishes (the evaluation record, a run's ledger) then keeps it on the `generate` path too,
+    so a batch stopped part-way (SIGTERM, Ctrl-C, an endpoint failure) has lost no finished call. On an
+    `LLMEndpointError` its ``partial_results`` are the finished results aligned to ``requests``."""
     slots: dict[int, list[int]] = defaultdict(list)
-    for i in todo:
-        slots[id(requests[i])].append(i)
+    for i, r in enumerate(requests):
+        slots[id(r)].append(i)
+    out: list[ChatResult | None] = [None] * len(requests)
 
-    def finished(req: ChatRequest, res: ChatResult) -> list[ChatRequest]:
-        keep(slots[id(req)].pop(0), res)
+    def keep(req: ChatRequest, res: ChatResult) -> list[ChatRequest]:
+        out[slots[id(req)].pop(0)] = res
         return []
 
-    generate_each(inner, [requests[i] for i in todo], finished)
+    try:
+        generate_each_fn(list(requests), keep)
+    except LLMEndpointError as err:
+        err.partial_results = list(out)  # type: ignore[attr-defined]
+        raise
+    return out  # type: ignore[return-value]
 
 
 class BackendBase:

@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from qumem_pipeline.llm.base import (
-    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, LLMEndpointError, generate_each,
-    read_output, send_keeping_each,
+    ERROR_INVALID_JSON, ERROR_LENGTH, ERROR_SCHEMA, BackendBase, ChatRequest, ChatResult, generate_each,
+    collect_each, read_output,
 )
 
 
@@ -135,22 +135,7 @@ class LedgerBackend(BackendBase):
         tally_call(self.used, self.tags, res)
 
     def generate(self, requests: list[ChatRequest]) -> list[ChatResult]:
-        fps = [request_fingerprint(self.model_name, r) for r in requests]
-        out: list[ChatResult | None] = [self._replay(req, fp) for req, fp in zip(requests, fps)]
-        todo = [i for i, r in enumerate(out) if r is None]
-        if todo:
-            def keep(i: int, res: ChatResult) -> None:
-                self.log.append([self._row(requests[i], fps[i], res, datetime.now(timezone.utc).isoformat())])
-                out[i] = res
-
-            try:
-                send_keeping_each(self.inner, requests, todo, keep)
-            except LLMEndpointError as err:  # what finished is in the ledger; handed back aligned to *these* requests
-                err.partial_results = list(out)  # type: ignore[attr-defined]
-                raise
-        for res in out:
-            self._tally(res)  # type: ignore[arg-type]
-        return out  # type: ignore[return-value]
+        return collect_each(self.generate_each, requests)  # each call a ledger row as it finishes
 
     def generate_each(self, requests: list[ChatRequest], on_result) -> None:
         """Replayed calls handed over at once, the rest sent through the inner backend's own
