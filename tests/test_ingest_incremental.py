@@ -461,3 +461,41 @@ def test_new_files_only_append_file_lists_without_reading_them(tmp_path):
     fresh2 = DataLayout(tmp_path / "fresh2")
     sync_archive(cfg, fresh2)
     assert _file_pairs(layout) == _file_pairs(fresh2)
+
+
+def test_unattributed_bad_rows_stand_through_new_files_and_leave_with_their_file(tmp_path):
+    """Bad rows with no usable user id live under their own key. A sync of new files with none of
+    them leaves the stored ones as they are without reading them (the nightly case); a new file's own
+    go in beside them, and a gone file's leave with it: always what a one-shot read gives."""
+    d = tmp_path / "archive"
+    no_user = {"conversation_id": "x", "role": "user", "text": "who am I"}
+    write_jsonl(d / "a.jsonl", _rows("alice", "c1", "01-01", ["a0"]) + [no_user])
+    cfg = ArchiveConfig(str(d))
+    layout = DataLayout(tmp_path / "data")
+    sync_archive(cfg, layout)
+    assert_tables_equal_one_shot(layout, d)
+    write_jsonl(d / "b.jsonl", _rows("alice", "c1", "02-01", ["a1"], ref0=1))
+    reads = []
+    real = DataLayout.read_user_table
+
+    def spy(self, table, user, *a, **k):
+        reads.append((table, user))
+        return real(self, table, user, *a, **k)
+
+    DataLayout.read_user_table = spy
+    try:
+        sync_archive(cfg, layout)
+    finally:
+        DataLayout.read_user_table = real
+    assert ("quarantine", sync.UNATTRIBUTED) not in reads
+    assert_tables_equal_one_shot(layout, d)
+    write_jsonl(d / "c.jsonl", [{**no_user, "user_id": ""}])
+    sync_archive(cfg, layout)
+    q = layout.read_table("quarantine")
+    assert q.filter(pl.col("source_file").str.ends_with("a.jsonl")).height == 1
+    assert q.filter(pl.col("source_file").str.ends_with("c.jsonl")).height == 1
+    assert_tables_equal_one_shot(layout, d)
+    (d / "a.jsonl").unlink()
+    sync_archive(cfg, layout)
+    assert_tables_equal_one_shot(layout, d)
+    assert layout.read_table("quarantine").filter(pl.col("source_file").str.ends_with("a.jsonl")).height == 0

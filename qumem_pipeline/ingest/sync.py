@@ -549,6 +549,8 @@ class _Sync:
 
     def _rebuild_unattributed(self, new_q: pl.DataFrame) -> None:
         """Bad rows with no usable user id live under their own key (as before)."""
+        if self._only_new_files and new_q.height == 0:
+            return  # nothing added, and the stored rows come from files that all stay: not even read
         old = self.layout.read_user_table("quarantine", UNATTRIBUTED) if self.plan.old else None
         kept = None
         if old is not None:

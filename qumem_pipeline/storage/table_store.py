@@ -73,6 +73,9 @@ _STAGING = re.compile(r"\.parquet#(\d+|q)$")  # a local file being written (delt
 # reading 100 users costs the same at 1M and 10M rows (bench/ingest.py read_ratio_10m_vs_1m).
 ROW_GROUP_ROWS = int(os.environ.get("QUMEM_ROW_GROUP_ROWS", "4096"))
 _WRITER = WriterProperties(compression="ZSTD", max_row_group_size=ROW_GROUP_ROWS)
+# A user read on a local root goes through polars' Parquet scan (`_scan_users_local`); object stores keep
+# the pyarrow path, which reads the store's own filesystem configuration. Tests run both.
+POLARS_LOCAL_READS = True
 # Checkpoints are this store's, not delta-rs' post-commit hook (`_after_commit`): a checkpoint the hook
 # writes late, from a snapshot taken before a forget deleted a user, would land after the forget
 # scrubbed the log and carry that user's statistics; the store's own can be checked and cleaned up.
@@ -260,21 +263,24 @@ class TableStore:
             users = sorted(set(users))
             n = int(self._meta(dt)["user_buckets"])
             buckets = sorted({user_bucket(u, n) for u in users})
-            arrow = self._read_users(table, dt, ds, users, buckets, cols)
-        df = pl.from_arrow(arrow)
+            arrow = self._read_users(table, dt, ds, users, buckets, cols, n)
+        df = arrow if isinstance(arrow, pl.DataFrame) else pl.from_arrow(arrow)
         if not isinstance(df, pl.DataFrame):  # pragma: no cover - from_arrow of a table is a frame
             df = df.to_frame()
         df = self._restore(dt, df)
         return df if df[KEY].is_sorted() else df.sort(KEY, maintain_order=True)
 
-    def _read_users(self, table: str, dt: DeltaTable, ds, users: list[str], buckets: list[int], cols):
+    def _read_users(self, table: str, dt: DeltaTable, ds, users: list[str], buckets: list[int], cols, n: int):
         """Rows of sorted `users` from their buckets' files, reading only the row groups whose
         user_key range holds one of them. pyarrow's dataset filter does not prune row groups on
         an `isin` (measured: a 100-user read decoded the whole table), so the row groups are
-        chosen here from the footers' statistics; the filter then keeps the exact rows."""
+        chosen here from the footers' statistics; the filter then keeps the exact rows. On a local
+        root polars reads the same files instead (`_scan_users_local`)."""
         fs, base = self.filesystem()
         prefix = f"{base}/{table}"
         acts = pl.DataFrame(dt.get_add_actions(flatten=True)).filter(pl.col(f"partition.{BUCKET}").is_in(buckets))
+        if POLARS_LOCAL_READS and not is_uri(self.root) and acts.height:
+            return _scan_users_local([f"{prefix}/{unquote(p)}" for p in acts["path"].to_list()], ds.schema, users, cols, n)
         fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
         flt = pads.field(BUCKET).isin(buckets) & pads.field(KEY).isin(users)
         pieces = []
@@ -878,6 +884,28 @@ def _row_groups_holding(md, users: list[str]) -> list[int]:
         if j < len(users) and users[j] <= st.max:
             keep.append(i)
     return keep
+
+
+def _scan_users_local(paths: list[str], schema: pa.Schema, users: list[str], cols: list[str] | None,
+                      n_buckets: int) -> pl.DataFrame:
+    """Rows of sorted `users` from these local files, as `_read_users`' pyarrow path returns them
+    (the table's schema, `cols` in order), read by polars' Parquet scan: it prunes row groups on the
+    `is_in` from their statistics itself and reads the files in parallel, with a much smaller fixed
+    cost per file than a pyarrow dataset. That cost is what a nightly incremental sync pays most: it
+    reads back its users from their buckets' files, many of them the small files earlier runs
+    appended (bench/ingest.py's incremental `merge` step, docs/benchmarks.md). Files written before
+    a column was added get it as nulls; the partition column is not in the files, so it is computed
+    from the key (the same function that placed the rows)."""
+    full = pl.from_arrow(schema.empty_table()).schema
+    in_files = {c: t for c, t in full.items() if c != BUCKET}
+    wanted = list(full) if cols is None else list(cols)
+    lf = pl.scan_parquet(paths, schema=in_files, missing_columns="insert", extra_columns="ignore",
+                         hive_partitioning=False, glob=False)
+    lf = lf.filter(pl.col(KEY).is_in(users))
+    if BUCKET in wanted:
+        lf = lf.with_columns(pl.col(KEY).replace_strict({u: user_bucket(u, n_buckets) for u in users},
+                                                        return_dtype=full[BUCKET]).alias(BUCKET))
+    return lf.select(wanted).collect()
 
 
 def _pa_schema(arrow_schema):
