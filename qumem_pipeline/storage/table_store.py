@@ -258,45 +258,41 @@ class TableStore:
         ds = dt.to_pyarrow_dataset()
         cols = None if columns is None else list(dict.fromkeys([*columns, KEY, PLACEHOLDER]))
         if users is None:
-            arrow = ds.to_table(columns=cols)
+            df = _frame(ds.to_table(columns=cols))
         else:
-            users = sorted(set(users))
             n = int(self._meta(dt)["user_buckets"])
-            buckets = sorted({user_bucket(u, n) for u in users})
-            arrow = self._read_users(table, dt, ds, users, buckets, cols, n)
-        df = arrow if isinstance(arrow, pl.DataFrame) else pl.from_arrow(arrow)
-        if not isinstance(df, pl.DataFrame):  # pragma: no cover - from_arrow of a table is a frame
-            df = df.to_frame()
+            df = self._read_users(table, dt, ds, {u: user_bucket(u, n) for u in sorted(set(users))}, cols)
         df = self._restore(dt, df)
         return df if df[KEY].is_sorted() else df.sort(KEY, maintain_order=True)
 
-    def _read_users(self, table: str, dt: DeltaTable, ds, users: list[str], buckets: list[int], cols, n: int):
-        """Rows of sorted `users` from their buckets' files, reading only the row groups whose
+    def _read_users(self, table: str, dt: DeltaTable, ds, bucket_of: dict[str, int], cols) -> pl.DataFrame:
+        """Rows of the users of `bucket_of` (user -> bucket, in user order) from their buckets' files, reading only the row groups whose
         user_key range holds one of them. pyarrow's dataset filter does not prune row groups on
         an `isin` (measured: a 100-user read decoded the whole table), so the row groups are
         chosen here from the footers' statistics; the filter then keeps the exact rows. On a local
         root polars reads the same files instead (`_scan_users_local`)."""
+        users, buckets = list(bucket_of), sorted(set(bucket_of.values()))
         fs, base = self.filesystem()
         prefix = f"{base}/{table}"
         acts = pl.DataFrame(dt.get_add_actions(flatten=True)).filter(pl.col(f"partition.{BUCKET}").is_in(buckets))
         if POLARS_LOCAL_READS and not is_uri(self.root) and acts.height:
-            return _scan_users_local([f"{prefix}/{unquote(p)}" for p in acts["path"].to_list()], ds.schema, users, cols, n)
+            return _scan_users_local([f"{prefix}/{unquote(p)}" for p in acts["path"].to_list()], ds.schema, bucket_of, cols)
         fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
         flt = pads.field(BUCKET).isin(buckets) & pads.field(KEY).isin(users)
         pieces = []
         n_rows = acts["num_records"] if "num_records" in acts.columns else pl.repeat(None, acts.height, eager=True)
-        for (path, b), n in zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), n_rows):
+        for (path, b), rows in zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), n_rows):
             frag = fmt.make_fragment(f"{prefix}/{unquote(path)}", filesystem=fs,
                                      partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
-            if n is not None and n <= ROW_GROUP_ROWS:  # one row group at most: no footer read to prune it
+            if rows is not None and rows <= ROW_GROUP_ROWS:  # one row group at most: no footer read to prune it
                 pieces.append(frag)
                 continue
             keep = _row_groups_holding(frag.metadata, users)
             if keep:
                 pieces.append(frag.subset(row_group_ids=keep))
         if not pieces:
-            return ds.schema.empty_table().select(cols) if cols else ds.schema.empty_table()
-        return pads.FileSystemDataset(pieces, ds.schema, fmt, fs).to_table(filter=flt, columns=cols)
+            return _frame(ds.schema.empty_table().select(cols) if cols else ds.schema.empty_table())
+        return _frame(pads.FileSystemDataset(pieces, ds.schema, fmt, fs).to_table(filter=flt, columns=cols))
 
     def read_buckets(self, table: str, buckets: Iterable[int], columns: list[str] | None = None,
                      where=None) -> pl.DataFrame | None:
@@ -886,25 +882,29 @@ def _row_groups_holding(md, users: list[str]) -> list[int]:
     return keep
 
 
-def _scan_users_local(paths: list[str], schema: pa.Schema, users: list[str], cols: list[str] | None,
-                      n_buckets: int) -> pl.DataFrame:
-    """Rows of sorted `users` from these local files, as `_read_users`' pyarrow path returns them
+def _frame(arrow: pa.Table) -> pl.DataFrame:
+    df = pl.from_arrow(arrow)
+    return df if isinstance(df, pl.DataFrame) else df.to_frame()  # from_arrow of a table is a frame
+
+
+def _scan_users_local(paths: list[str], schema: pa.Schema, bucket_of: dict[str, int],
+                      cols: list[str] | None) -> pl.DataFrame:
+    """Rows of the users of `bucket_of` from these local files, as `_read_users`' pyarrow path returns them
     (the table's schema, `cols` in order), read by polars' Parquet scan: it prunes row groups on the
     `is_in` from their statistics itself and reads the files in parallel, with a much smaller fixed
     cost per file than a pyarrow dataset. That cost is what a nightly incremental sync pays most: it
     reads back its users from their buckets' files, many of them the small files earlier runs
     appended (bench/ingest.py's incremental `merge` step, docs/benchmarks.md). Files written before
-    a column was added get it as nulls; the partition column is not in the files, so it is computed
-    from the key (the same function that placed the rows)."""
+    a column was added get it as nulls; the partition column is not in the files, so it comes from
+    `bucket_of` (the buckets that placed the rows)."""
     full = pl.from_arrow(schema.empty_table()).schema
     in_files = {c: t for c, t in full.items() if c != BUCKET}
     wanted = list(full) if cols is None else list(cols)
     lf = pl.scan_parquet(paths, schema=in_files, missing_columns="insert", extra_columns="ignore",
                          hive_partitioning=False, glob=False)
-    lf = lf.filter(pl.col(KEY).is_in(users))
+    lf = lf.filter(pl.col(KEY).is_in(list(bucket_of)))
     if BUCKET in wanted:
-        lf = lf.with_columns(pl.col(KEY).replace_strict({u: user_bucket(u, n_buckets) for u in users},
-                                                        return_dtype=full[BUCKET]).alias(BUCKET))
+        lf = lf.with_columns(pl.col(KEY).replace_strict(bucket_of, return_dtype=full[BUCKET]).alias(BUCKET))
     return lf.select(wanted).collect()
 
 
