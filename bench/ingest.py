@@ -18,7 +18,8 @@ child process of its own, so its peak RSS (getrusage of that child) is its own:
   ingested archive, then `sync_archive` again (change detection over every file + ingest); done
   `INCREMENTAL_RUNS` times, each with a further new file, and the median run reported (one run of
   ~1 s moved by a tenth between runs), with its steps (`incremental_stages_s`: lock and lease, plan,
-  manifest writes, read, merge, fingerprints, writes);
+  manifest writes, read, take (the staged rows of a merge group gathered, read back when spilled),
+  merge, fingerprints, writes; the full ingest's are `ingest_stages_s`);
 - `read`: 100 users' turns read back through DataLayout (best of 3);
 - `hash`: the content-hash (BLAKE3) + line-count pass over the archive's files that every ingest
   of new files makes (the manifest's content hash; rows must be lines), alone: `ratio_ceiling` =

@@ -39,6 +39,17 @@ def test_ingest_smallest():
     assert stages["plan"] > 0 and stages["manifest"] > 0 and stages["write"] > 0
 
 
+def test_store_reopen_smallest():
+    pytest.importorskip("moto.server")
+    got = run_bench("bench/store_reopen.py", "--turns", "2000", "--users", "100", "--syncs", "2")
+    for backend in ("local", "s3"):
+        r = got[backend]
+        assert got[f"ratio_{backend}"] == r["ratio"] > 0 and len(r["reopen_runs_s"]) == len(r["reload_runs_s"]) == 2
+        # the mode under test loads fewer tables whole and brings more forward: counted, not timed
+        assert r["loads_per_sync"]["reopen"] < r["loads_per_sync"]["reload"]
+        assert r["updates_per_sync"]["reopen"] > r["updates_per_sync"]["reload"]
+
+
 def test_retrieval_latency_smoke():
     got = run_bench("bench/retrieval_latency.py", "--smoke")
     assert {"batched_latency_ms", "batched_amortized_ms_per_query", "query_at_a_time_ms", "throughput_speedup"} <= got.keys()

@@ -325,6 +325,48 @@ def test_a_commit_racing_the_takeover_fails_on_the_fence(tmp_path, op):
     _assert_no_old_commit_after(_fences(_local_logs(root)("events")), b.fence[1])
 
 
+def test_the_fences_handles_become_the_stores_and_a_takeover_still_refuses_through_them(tmp_path, monkeypatch):
+    """The handles the fence loaded become the store's (bench/store_reopen.py: no second whole load of
+    each fenced table): A's first write after its fence loads nothing whole and carries A's token; once
+    B took over, A's write through that same handle, brought forward, sees B's token and is refused."""
+    import deltalake
+
+    from qumem_pipeline.storage.lease import fenced
+    from qumem_pipeline.storage.table_store import FencedOut, TableStore
+
+    root = str(tmp_path / "data")
+    TableStore(root).append("events", _row("setup", 0))
+    loads = []
+    init = deltalake.DeltaTable.__init__
+
+    def counted(self, uri, *a, **k):
+        loads.append(str(uri))
+        return init(self, uri, *a, **k)
+
+    monkeypatch.setattr(deltalake.DeltaTable, "__init__", counted)
+    a_store = TableStore(root)
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    a = Lease(root, "ingest", ttl_s=600, holder=holder_id(pid=int(p.stdout)))  # a dead holder: taken over at once
+    a.acquire()
+    a._stop.set()
+    with fenced(a, a_store):
+        assert "events" in a_store._tables  # the fence's handle, taken by the store
+        before = len([u for u in loads if u.endswith("/events")])
+        a_store.append("events", _row("A", 1))
+        assert len([u for u in loads if u.endswith("/events")]) == before  # brought forward, not loaded again
+        b = Lease(root, "ingest", ttl_s=600, holder="host-b:1:b")
+        b.acquire(wait_s=5, poll_s=0.05)
+        b_store = TableStore(root)
+        with fenced(b, b_store):
+            b_store.append("events", _row("B", 0))
+        with pytest.raises(FencedOut):
+            a_store.append("events", _row("A", 2))
+        b.release()
+    fences = _fences(_local_logs(root)("events"))
+    assert (max(v for v, f in fences if f == a.fence[1]) < min(v for v, f in fences if f == b.fence[1]))
+    assert sorted(TableStore(root).read("events")["writer"].to_list()) == ["A", "B", "setup"]
+
+
 _PAUSED_WORKER = r'''
 import os, signal, sys, time
 import polars as pl

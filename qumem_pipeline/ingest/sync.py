@@ -132,7 +132,8 @@ class SyncReport:
     # listing, manifest read, change detection; manifest: its pending and final writes) are most of an
     # incremental run's time, so they are timed too (bench/ingest.py: `incremental_stages_s`).
     stages_s: dict = field(default_factory=lambda: {"lock": 0.0, "plan": 0.0, "manifest": 0.0, "read_check_spill": 0.0,
-                                                             "merge": 0.0, "fingerprints": 0.0, "write": 0.0, "write_wait": 0.0})
+                                                             "take": 0.0, "merge": 0.0, "fingerprints": 0.0, "write": 0.0,
+                                                             "write_wait": 0.0})
 
     def _add(self, stage: str, since: float) -> float:
         now = time.perf_counter()
@@ -269,7 +270,9 @@ class _Sync:
             for keys in self._key_groups(users_by_key, history, bucket_bytes):
                 users_all = [u for k in keys for u in users_by_key[k]]
                 groups = _groups(users_all, history, max_rows) if len(keys) == 1 or not self.spill else [users_all]
+                t = time.perf_counter()
                 staged = self.staging.take(keys, _empty_candidates())
+                self.report._add("take", t)
                 for users in groups:
                     mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
                     self._rebuild(users, mine, attributed.filter(pl.col("user_id").is_in(users)))

@@ -339,9 +339,17 @@ class Lease:
             return []
         with ThreadPoolExecutor(max_workers=min(workers, len(tables))) as pool:
             done = list(pool.map(lambda t: self._fence_table(store.uri(t), store.storage_options), tables))
-        return [t for t, d in zip(tables, done) if d]
+        adopt = getattr(store, "adopt", None)
+        for t, (_, dt) in zip(tables, done):
+            # The store's first use of the table then brings this handle forward instead of loading
+            # the whole log once more (bench/store_reopen.py)
+            if dt is not None and adopt is not None:
+                adopt(t, dt)
+        return [t for t, (d, _) in zip(tables, done) if d]
 
-    def _fence_table(self, uri: str, storage_options: dict | None) -> bool:
+    def _fence_table(self, uri: str, storage_options: dict | None) -> tuple[bool, DeltaTable | None]:
+        """(whether this call put the token on, the table's handle as loaded for it: None when the
+        table does not exist)."""
         from qumem_pipeline.storage.table_store import FencedOut
 
         app_id, seq = self.fence
@@ -350,7 +358,7 @@ class Lease:
             try:
                 dt = DeltaTable(uri, storage_options=storage_options)
             except TableNotFoundError:
-                return False
+                return False, None
             except (DeltaError, OSError):  # a clean-up moved the log under the load: load again
                 if attempt == _FENCE_RETRIES - 1:
                     raise
@@ -360,14 +368,14 @@ class Lease:
             if seen > seq:
                 raise FencedOut(f"{uri}: a newer holder of {app_id} committed (fence {seen} > ours {seq})")
             if seen == seq:
-                return False
+                return False, dt
             commit = CommitProperties(app_transactions=[Transaction(app_id, seq)],
                                       custom_metadata={"qumem.operation": "fence", "qumem.holder": self.holder})
             try:
                 dt.create_write_transaction([], "append", dt.schema(),
                                             partition_by=dt.metadata().partition_columns or None,
                                             commit_properties=commit)
-                return True
+                return True, dt
             except (CommitFailedError, DeltaError, OSError) as exc:
                 if attempt == _FENCE_RETRIES - 1 or not _conflict(exc):
                     raise
