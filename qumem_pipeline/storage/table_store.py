@@ -216,9 +216,9 @@ class TableStore:
         """The table as of now, after a commit of this handle: its cached snapshot brought forward by
         the log entries since (`update_incremental`), not loaded again from the whole log. With no
         post-commit hooks there are no checkpoints between a store's own compactions, so a fresh load
-        replays every commit's JSON: at the 10M-turn bench's 33 commits ~6 ms against < 1 ms, three
-        times per write (bench/ingest.py). A log a forget rewrote meanwhile falls back to a fresh load
-        (`_open`)."""
+        replays every commit's JSON (on S3 a GET each), and a write used to load its table three times
+        (bench/store_reopen.py counts and times both ways). A log a forget rewrote meanwhile falls back
+        to a fresh load (`_open`)."""
         if not INCREMENTAL_REOPEN:
             self._tables.pop(table, None)
         return self._open(table)
