@@ -10,9 +10,10 @@ from qumem_pipeline.query.strategies.registry import STRATEGY_NAMES, default_str
 
 TABLES = Path(__file__).resolve().parents[1] / "eval_record" / "tables"
 TABLE = TABLES / "locomo_qa_qwen15b_conv26_conv30_all.json"
-# every strategy on three conversations; the largest committed table the served default is in (conv-42 added)
+# every strategy on three and four conversations; then every strategy on all five dev conversations
 ALL_SIX = TABLES / "locomo_qa_qwen15b_conv26_conv30_conv41.json"
-LARGEST = TABLES / "locomo_qa_qwen15b_conv26_conv30_conv41_conv42.json"
+FOUR = TABLES / "locomo_qa_qwen15b_conv26_conv30_conv41_conv42.json"
+LARGEST = TABLES / "locomo_qa_qwen15b_dev5.json"
 
 
 @pytest.mark.parametrize("kind, env, want", [
@@ -35,7 +36,7 @@ def test_resources_pick_the_default_by_llm_backend_unless_told(monkeypatch, kind
     assert res["pipeline"].query_strategy == want and want in STRATEGY_NAMES
 
 
-@pytest.mark.parametrize("table, n_scored", [(TABLE, 233), (ALL_SIX, 385), (LARGEST, 584)])
+@pytest.mark.parametrize("table, n_scored", [(TABLE, 233), (ALL_SIX, 385), (FOUR, 584), (LARGEST, 762)])
 def test_the_served_default_is_level_with_the_best_on_the_committed_record(table, n_scored):
     """The default for served models must not be behind any strategy of the committed tables it is in by an
     interval that excludes 0 (if the record moves, this says the default must move too)."""

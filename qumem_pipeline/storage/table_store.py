@@ -214,9 +214,9 @@ class TableStore:
 
     def _reopen(self, table: str) -> DeltaTable | None:
         """The table as of now, after a commit of this handle: its cached snapshot brought forward by
-        the log entries since (`update_incremental`), not loaded again from the whole log. With no
-        post-commit hooks there are no checkpoints between a store's own compactions, so a fresh load
-        replays every commit's JSON (on S3 a GET each), and a write used to load its table three times
+        the log entries since (`update_incremental`), not loaded again from the whole log. The store
+        checkpoints every `CHECKPOINT_INTERVAL` (100) versions, so a fresh load replays up to 99 commits'
+        JSON files (on S3 a GET each), and a write used to load its table three times
         (bench/store_reopen.py counts and times both ways). A log a forget rewrote meanwhile falls back
         to a fresh load (`_open`)."""
         if not INCREMENTAL_REOPEN:
