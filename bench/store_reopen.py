@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -69,21 +68,9 @@ def _count_table_loads() -> None:
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
-    from qumem_pipeline.runtime.processes import free_port
+    from qumem_pipeline.runtime.processes import start_moto_s3
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except Exception:  # noqa: BLE001 - not listening yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"moto server did not start (exit {proc.poll()})")
-            time.sleep(0.2)
+    proc, endpoint = start_moto_s3()
     os.environ.update({**S3_ENV, "AWS_ENDPOINT_URL": endpoint})
     import boto3
 

@@ -121,28 +121,13 @@ def moto_server(tmp_path_factory):
     port, stopped by its pid at teardown. Yields the endpoint URL."""
     import signal
     import subprocess
-    import sys
-    import time
-    import urllib.request
 
     pytest.importorskip("moto.server")
-    from qumem_pipeline.runtime.processes import free_port
+    from qumem_pipeline.runtime.processes import start_moto_s3
 
-    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
+    proc, endpoint = start_moto_s3(log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start (exit {proc.poll()})")
-                time.sleep(0.2)
         import boto3
 
         boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in S3_ENV.items()

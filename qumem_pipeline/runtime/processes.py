@@ -80,3 +80,26 @@ def popen_tied_to_parent(cmd: list[str], **kwargs) -> subprocess.Popen:
         os.close(read_end)
     proc.lifeline = os.fdopen(write_end, "wb")  # closed with this process, or at stop
     return proc
+
+
+def start_moto_s3(log=subprocess.DEVNULL, timeout_s: float = 60) -> tuple[subprocess.Popen, str]:
+    """moto's standalone S3 server (`moto[server]`) as a child on a free loopback port, once it answers:
+    (the process, its endpoint URL). The S3 the tests and benches write to (no network: everything on
+    loopback); the caller stops it (SIGTERM)."""
+    import time
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            return proc, endpoint
+        except Exception:  # noqa: BLE001 - not listening yet
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"moto server did not start (exit {proc.poll()})")
+            time.sleep(0.2)
