@@ -25,14 +25,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,11 +42,11 @@ import deltalake  # noqa: E402
 import ingest as ingest_bench  # noqa: E402  (bench/ingest.py: the archive generator)
 from qumem_pipeline.ingest.archive import ArchiveConfig  # noqa: E402
 from qumem_pipeline.ingest.sync import sync_archive  # noqa: E402
+from qumem_pipeline.runtime.processes import MOTO_S3_ENV, moto_s3  # noqa: E402
 from qumem_pipeline.storage import table_store  # noqa: E402
 from qumem_pipeline.storage.layout import DataLayout  # noqa: E402
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
-          "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+S3_BUCKET = "qumem-bench"
 COUNTS: Counter = Counter()
 
 
@@ -67,18 +66,6 @@ def _count_table_loads() -> None:
     deltalake.DeltaTable.update_incremental = counted_update
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    from qumem_pipeline.runtime.processes import start_moto_s3
-
-    proc, endpoint = start_moto_s3()
-    os.environ.update({**S3_ENV, "AWS_ENDPOINT_URL": endpoint})
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                 region_name="us-east-1").create_bucket(Bucket="qumem-bench")
-    return proc, endpoint
-
-
 def sync(archive: Path, root: str, reopen: bool) -> tuple[float, dict]:
     table_store.INCREMENTAL_REOPEN = reopen
     before = COUNTS.copy()
@@ -92,7 +79,7 @@ def run_backend(backend: str, work: Path, turns: int, users: int, syncs: int) ->
     archive = work / f"archive-{backend}"
     ingest_bench.generate(archive, turns, users)
     if backend == "s3":
-        base = f"s3://qumem-bench/{uuid.uuid4().hex[:8]}"
+        base = f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:8]}"
         roots = {True: f"{base}/reopen", False: f"{base}/reload"}
     else:
         roots = {True: str(work / "reopen"), False: str(work / "reload")}
@@ -127,17 +114,16 @@ def main() -> int:
     _count_table_loads()
     out: dict = {}
     work = Path(tempfile.mkdtemp(prefix="qumem-bench-reopen-"))
-    moto = None
+    endpoint = None
     try:
-        for backend in args.backends.split(","):
-            if backend == "s3" and moto is None:
-                moto, _ = start_moto()
-            out[backend] = run_backend(backend, work, args.turns, args.users, args.syncs)
-            out[f"ratio_{backend}"] = out[backend]["ratio"]
+        with ExitStack() as stack:
+            for backend in args.backends.split(","):
+                if backend == "s3" and endpoint is None:
+                    endpoint = stack.enter_context(moto_s3(buckets=(S3_BUCKET,)))
+                    os.environ.update({**MOTO_S3_ENV, "AWS_ENDPOINT_URL": endpoint})
+                out[backend] = run_backend(backend, work, args.turns, args.users, args.syncs)
+                out[f"ratio_{backend}"] = out[backend]["ratio"]
     finally:
-        if moto is not None:
-            os.kill(moto.pid, signal.SIGTERM)
-            moto.wait(timeout=10)
         shutil.rmtree(work, ignore_errors=True)
     print(f"{'backend':8s} {'reopen s':>9s} {'reload s':>9s} {'ratio':>6s} {'loads/sync':>16s}")
     for b in args.backends.split(","):

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from qumem_pipeline.runtime.processes import MOTO_S3_ENV, moto_s3
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -111,37 +113,16 @@ def local_instance(home: Path):
 
 # ------------------------------------------------------------------ S3 on loopback (moto's real server)
 S3_BUCKET = "qumem-test"
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-          "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+S3_ENV = MOTO_S3_ENV
 
 
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
     """moto's standalone S3 server (`moto[server]`, pinned) as a child process on a free loopback
-    port, stopped by its pid at teardown. Yields the endpoint URL."""
-    import signal
-    import subprocess
-
+    port with the tests' bucket, stopped at teardown. Yields the endpoint URL."""
     pytest.importorskip("moto.server")
-    from qumem_pipeline.runtime.processes import start_moto_s3
-
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc, endpoint = start_moto_s3(log)
-    try:
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in S3_ENV.items()
-                                                    if k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
-                     region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+    with open(tmp_path_factory.mktemp("moto") / "moto.log", "wb") as log, moto_s3(log, buckets=(S3_BUCKET,)) as endpoint:
         yield endpoint
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,10 +83,16 @@ def popen_tied_to_parent(cmd: list[str], **kwargs) -> subprocess.Popen:
     return proc
 
 
-def start_moto_s3(log=subprocess.DEVNULL, timeout_s: float = 60) -> tuple[subprocess.Popen, str]:
-    """moto's standalone S3 server (`moto[server]`) as a child on a free loopback port, once it answers:
-    (the process, its endpoint URL). The S3 the tests and benches write to (no network: everything on
-    loopback); the caller stops it (SIGTERM)."""
+# What delta-rs, pyarrow and boto3 need to talk to moto's S3 on loopback (moto takes any credentials).
+MOTO_S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+
+@contextmanager
+def moto_s3(log=subprocess.DEVNULL, buckets: tuple[str, ...] = (), timeout_s: float = 60):
+    """moto's standalone S3 server (`moto[server]`) as a child on a free loopback port, with `buckets`
+    created, once it answers; yields its endpoint URL and stops it on exit (SIGTERM, SIGKILL after 10 s).
+    The S3 the tests and benches write to (no network: everything on loopback)."""
     import time
     import urllib.request
 
@@ -93,13 +100,29 @@ def start_moto_s3(log=subprocess.DEVNULL, timeout_s: float = 60) -> tuple[subpro
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1)
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not start (exit {proc.poll()})")
+                time.sleep(0.2)
+        if buckets:
+            import boto3
+
+            s3 = boto3.client("s3", endpoint_url=endpoint, region_name=MOTO_S3_ENV["AWS_REGION"],
+                              aws_access_key_id=MOTO_S3_ENV["AWS_ACCESS_KEY_ID"],
+                              aws_secret_access_key=MOTO_S3_ENV["AWS_SECRET_ACCESS_KEY"])
+            for bucket in buckets:
+                s3.create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        proc.terminate()
         try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            return proc, endpoint
-        except Exception:  # noqa: BLE001 - not listening yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto server did not start (exit {proc.poll()})")
-            time.sleep(0.2)
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

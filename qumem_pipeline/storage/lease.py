@@ -339,12 +339,11 @@ class Lease:
             return []
         with ThreadPoolExecutor(max_workers=min(workers, len(tables))) as pool:
             done = list(pool.map(lambda t: self._fence_table(store.uri(t), store.storage_options), tables))
-        adopt = getattr(store, "adopt", None)
         for t, (_, dt) in zip(tables, done):
             # The store's first use of the table then brings this handle forward instead of loading
             # the whole log once more (bench/store_reopen.py)
-            if dt is not None and adopt is not None:
-                adopt(t, dt)
+            if dt is not None:
+                store.adopt(t, dt)
         return [t for t, (d, _) in zip(tables, done) if d]
 
     def _fence_table(self, uri: str, storage_options: dict | None) -> tuple[bool, DeltaTable | None]:
