@@ -390,6 +390,42 @@ def test_spill_groups_whole_store_buckets_one_file_per_partition(archive, tmp_pa
     assert_tables_equal_one_shot(layout, archive)
 
 
+def test_spilled_parts_leave_out_derived_columns_and_the_tables_keep_every_provenance_column(archive, tmp_path):
+    """A spilled sync stores no column it can derive (the provenance copies, the file's id, the
+    file's own path) and puts them back as the parts are taken: its tables equal, column for column
+    and provenance included, those of the same sync held in memory."""
+    from qumem_pipeline.ingest import staging
+
+    spilled_columns = []
+    real = staging.read_spilled
+
+    def spy(path):
+        df = real(path)
+        spilled_columns.append(set(df.columns))
+        return df
+
+    staging.read_spilled = spy
+    try:
+        size = sum(f.stat().st_size for f in archive.glob("*.jsonl"))
+        spilled = DataLayout(tmp_path / "spilled", n_buckets=4)
+        sync_archive(ArchiveConfig(str(archive)), spilled, bucket_bytes=size // 3)
+    finally:
+        staging.read_spilled = real
+    held = DataLayout(tmp_path / "held", n_buckets=4)
+    sync_archive(ArchiveConfig(str(archive)), held)
+    assert spilled_columns, "the small budget must spill"
+    derived = set(sync._Sync._DERIVED) | {"source_file"}
+    assert all(not (cols & derived) and "_pos" in cols for cols in spilled_columns)
+    for table in ("turns", "fingerprints", sync.FILE_USERS_TABLE):
+        a = spilled.read_table(table)
+        b = held.read_table(table)
+        key = ["user_id", "turn_index"] if table == "turns" else sorted(a.columns)
+        assert a.sort(key).equals(b.sort(key)), table
+    turns = spilled.read_table("turns")
+    assert set(turns["source_file"].unique()) == {str(p) for p in archive.glob("*.jsonl")}
+    assert turns.select("source_file_id", "source_row", "source_pos").null_count().sum_horizontal().item() == 0
+
+
 def test_later_turns_are_appended_without_rewriting_stored_files(tmp_path):
     """A new file that only adds later turns: the users' stored turn files stay in the table
     (an append commit), and the tables still equal a one-shot read."""

@@ -63,15 +63,15 @@ def load_archive(cfg: ArchiveConfig, forgotten: ForgetRegistry | None = None) ->
 
 
 def _line_expr() -> pl.Expr:
-    """One turn as text: turn_index and the content fields, unit-separated, nulls as U+2400; the
-    timestamp as integer microseconds since the epoch (formatting a UTC datetime as text cost more
-    than the rest of the line)."""
-    return pl.concat_str(
-        [pl.col("turn_index").cast(pl.String)]
-        + [(pl.col(c).dt.epoch("us") if c == "timestamp" else pl.col(c)).cast(pl.String).fill_null("\u2400")
-           for c in _FINGERPRINT_FIELDS],
-        separator="\x1f",
-    )
+    """One turn as text, ended by "\x1e": turn_index and the content fields, unit-separated, nulls as
+    U+2400; the timestamp as integer microseconds since the epoch (formatting a UTC datetime as text
+    cost more than the rest of the line). The end mark rides on the last field (short), not on the
+    whole line: appending it to the line built every line twice (~13% of the fingerprints' CPU)."""
+    fields = [pl.col("turn_index").cast(pl.String)] + [
+        (pl.col(c).dt.epoch("us") if c == "timestamp" else pl.col(c)).cast(pl.String).fill_null("\u2400")
+        for c in _FINGERPRINT_FIELDS]
+    fields[-1] = fields[-1] + "\x1e"
+    return pl.concat_str(fields, separator="\x1f")
 
 
 def fingerprint_user(turns: pl.DataFrame) -> str:
@@ -163,7 +163,7 @@ class FingerprintBlock:
         last = self.runs[-1][1][0] + self.runs[-1][1][1]
         lines = (
             self.turns.slice(first, last - first)
-            .select(_line_expr() + "\x1e")
+            .select(_line_expr())
             .to_series()
             .to_arrow(compat_level=pl.CompatLevel.oldest())  # large_string: int64 offsets
         )

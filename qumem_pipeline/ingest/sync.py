@@ -271,7 +271,7 @@ class _Sync:
                 users_all = [u for k in keys for u in users_by_key[k]]
                 groups = _groups(users_all, history, max_rows) if len(keys) == 1 or not self.spill else [users_all]
                 t = time.perf_counter()
-                staged = self.staging.take(keys, _empty_candidates())
+                staged = self._with_provenance(self.staging.take(keys, _empty_candidates()))
                 self.report._add("take", t)
                 for users in groups:
                     mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
@@ -308,7 +308,8 @@ class _Sync:
     def _stage(self, scratch: Path, chunk_bytes: int, batch_rows: int) -> pl.DataFrame:
         """Read every new/changed file once, several at once (ingest/staging.py); stage candidates
         by spill key (spilled, or held in memory); return the quarantine rows, in archive order."""
-        self.staging = Staging(scratch, self.spill, self._prepare, self._keys, SPILL_FLUSH_BYTES)
+        self.staging = Staging(scratch, self.spill, self._prepare, self._keys, SPILL_FLUSH_BYTES,
+                               slim=self._spill_form, restore=self._from_spill_form)
         quarantine = []
         if self.progress is not None:
             self.progress("archive files read", 0, len(self.plan.to_read))
@@ -337,6 +338,39 @@ class _Sync:
                KEEP_PREFIX + "source_turn_index": pl.col("turn_index")},
         ).with_columns(_pos=pl.col("_pos") + self.rank[f.file_id] * _FILE_RANK_STRIDE)
         return good, q
+
+    # Candidate columns a spilled part leaves out (all set by `_prepare`): copies of another column
+    # or functions of `_pos`, put back once per merge group (`_with_provenance`).
+    _DERIVED = (KEEP_PREFIX + "source_file_id", KEEP_PREFIX + "source_row", KEEP_PREFIX + "source_pos",
+                KEEP_PREFIX + "source_turn_index")
+
+    def _spill_form(self, good: pl.DataFrame, read_rank: int) -> pl.DataFrame:
+        """Staged candidates of the `read_rank`-th file read, as spilled: without the derived
+        columns, and without `source_file` when every row names the file's own path (the readers
+        set it so; an importer that sets something else keeps it)."""
+        drop = list(self._DERIVED)
+        if good["source_file"].eq_missing(str(self.plan.to_read[read_rank].path)).all():
+            drop.append("source_file")
+        return good.drop(drop)
+
+    def _from_spill_form(self, part: pl.DataFrame, read_rank: int) -> pl.DataFrame:
+        if "source_file" in part.columns:
+            return part
+        return part.with_columns(source_file=pl.lit(str(self.plan.to_read[read_rank].path), dtype=pl.String))
+
+    def _with_provenance(self, staged: pl.DataFrame) -> pl.DataFrame:
+        """The derived columns `_spill_form` left out, for a whole merge group at once (rows held in
+        memory carry them already)."""
+        if not self.spill:
+            return staged
+        file_rank = pl.col("_pos") // _FILE_RANK_STRIDE
+        ids = {i: f.file_id for i, f in enumerate(self.plan.files)}
+        return staged.with_columns(**{
+            KEEP_PREFIX + "source_file_id": file_rank.replace_strict(ids, return_dtype=pl.String),
+            KEEP_PREFIX + "source_row": pl.col("source_row"),
+            KEEP_PREFIX + "source_pos": pl.col("_pos") - file_rank * _FILE_RANK_STRIDE,
+            KEEP_PREFIX + "source_turn_index": pl.col("turn_index"),
+        })
 
     def _keys(self, users: pl.Series) -> pl.Series:
         """Spill key of each row's user: store bucket * n_sub + a hash piece of it."""
@@ -412,7 +446,9 @@ class _Sync:
             stored = [_turns_to_candidates(self._kept(stored_turns)), _duplicates_to_candidates(self._kept(stored_dups))]
             parts += [p.with_columns(_pos=self._source_order()) for p in stored if p is not None]
         candidates = pl.concat([_empty_candidates()] + parts, how="diagonal_relaxed")
-        turns, dups, dup_q = merge_candidates(candidates)
+        # Staged rows alone (nothing stored to merge back) are in source order within each user
+        # (staging.py: a key's parts in archive order); stored rows come after them out of order.
+        turns, dups, dup_q = merge_candidates(candidates, ordered_per_user=len(parts) == 1)
         if self.cfg.strict:
             raise_if_bad(dup_q)
         kept_q = None

@@ -183,10 +183,15 @@ DUPLICATE_REASON_PREFIX = "duplicate turn id: "
 KEEP_PREFIX = "_keep_"
 
 
-def merge_candidates(candidates: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+def merge_candidates(candidates: pl.DataFrame, *, ordered_per_user: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """Candidate rows of whole users (any batches and files, in source order = `_pos`) ->
-    (turns in history order, numbered; the duplicate candidates; their quarantine rows)."""
-    candidates = candidates if candidates["_pos"].is_sorted() else candidates.sort("_pos")
+    (turns in history order, numbered; the duplicate candidates; their quarantine rows).
+
+    `ordered_per_user`: the caller vouches that each user's rows are in source order already,
+    though users interleave (a sync's staged keys, one after another): every step below orders
+    within a user only, so the sort by `_pos` (a copy of every row) is skipped."""
+    if not ordered_per_user and not candidates["_pos"].is_sorted():
+        candidates = candidates.sort("_pos")
     good, dups = _split_duplicates(candidates)
     return _finalise_turns(good), dups.drop("_dup_idx", "_dup_ref", "_field", "_reason"), _quarantine_rows(dups)
 
