@@ -4,6 +4,9 @@ plain-polars baselines over the same files, measured in the same run.
 Per configuration (`--turns`, one or more; default 1,000,000), each measured phase runs in a
 child process of its own, so its peak RSS (getrusage of that child) is its own:
 
+`--repeat N` runs the three timed phases (baseline, contract, ingest) N times, interleaved, and reports
+each one's median round (`rounds_s` lists them all); the phases after read the last round's data root.
+
 - `baseline`: `pl.scan_ndjson(files).sink_parquet(one file)` (polars streaming engine);
 - `contract`: the passes the ingest's contract cannot avoid, in plain polars: read every file
   (with its path and row number), one content hash (a polars hash of each row's content columns),
@@ -38,7 +41,7 @@ with two configurations also `rss_growth` (peak of the largest / peak of the sma
 or the plain count: `read_ratio_10m_vs_1m` for `--turns 1000000 10000000`); `configs` holds every
 configuration's figures. Every phase imports its modules before its clock starts.
 
-    python bench/ingest.py [--turns 1000000 [10000000]] [--users-per-1m 1000] [--json]
+    python bench/ingest.py [--turns 1000000 [10000000]] [--users-per-1m 1000] [--repeat 3] [--json]
 """
 
 import argparse
@@ -261,7 +264,12 @@ def run_child(name: str, work: Path) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
+def _median(runs: list[dict]) -> dict:
+    """The run with the median seconds (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+
+
+def run_config(n_turns: int, users_per_1m: int, readers: bool, repeat: int = 1) -> dict:
     n_users = max(1, n_turns * users_per_1m // 1_000_000)
     work = Path(tempfile.mkdtemp(prefix="qumem-bench-ingest-"))
     try:
@@ -270,10 +278,19 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
         gen_s = time.perf_counter() - t
         mb = sum(f.stat().st_size for f in files) / 1e6
         print(f"[{n_turns:,} turns] generated {len(files)} files, {mb:,.0f} MB in {gen_s:.0f}s", file=sys.stderr, flush=True)
-        base = run_child("baseline", work)
-        contract = run_child("contract", work)
-        shutil.rmtree(work / "contract", ignore_errors=True)
-        ingest = run_child("ingest", work)
+        # `repeat` rounds of the three timed phases, interleaved (baseline, contract, ingest, baseline, ...),
+        # each phase's median round reported: one round of the contract baseline moved by 3-4 s between
+        # runs on a quiet box, which alone moved `ratio_contract` by 0.15.
+        rounds: dict[str, list[dict]] = {"baseline": [], "contract": [], "ingest": []}
+        for _ in range(repeat):
+            for name in rounds:
+                shutil.rmtree(work / ("data" if name == "ingest" else "contract"), ignore_errors=True)
+                rounds[name].append(run_child(name, work))
+            shutil.rmtree(work / "contract", ignore_errors=True)
+        base, contract, ingest = (_median(rounds[k]) for k in ("baseline", "contract", "ingest"))
+        if repeat > 1:  # the data root the later phases read is the last round's (the same rows)
+            print(f"[{n_turns:,} turns] rounds (s): " + ", ".join(
+                f"{k} {[r['seconds'] for r in v]}" for k, v in rounds.items()), file=sys.stderr, flush=True)
         assert ingest["rows_read"] == base["rows"] == contract["rows"] == n_turns // n_users * n_users
         assert ingest["quarantined"] == 0
         read = run_child("read", work)
@@ -309,6 +326,7 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool) -> dict:
             "incremental_s": inc["seconds"], "incremental_users_rebuilt": inc["users_rebuilt"],
             "incremental_runs_s": [r["seconds"] for r in runs], "incremental_stages_s": inc["stages_s"],
             "incremental_ratio": round(inc["seconds"] / ingest["seconds"], 4),
+            "repeat": repeat, "rounds_s": {k: [r["seconds"] for r in v] for k, v in rounds.items()},
             "read_100_users_s": read["best_s"], "read_100_users_rows": read["rows"],
             "files_per_table": files_per_table(work / "data"),
         }
@@ -334,6 +352,8 @@ def main() -> int:
     ap.add_argument("--turns", type=int, nargs="+", default=[1_000_000])
     ap.add_argument("--users-per-1m", type=int, default=1_000, help="users per million turns (10,000 at 10M)")
     ap.add_argument("--no-readers", action="store_true", help="skip the reader comparison")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of baseline, contract and ingest (interleaved); each one's median round is reported")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -344,7 +364,7 @@ def main() -> int:
 
     configs = {}
     for i, n in enumerate(sorted(args.turns)):
-        configs[n] = run_config(n, args.users_per_1m, readers=(i == 0 and not args.no_readers))
+        configs[n] = run_config(n, args.users_per_1m, readers=(i == 0 and not args.no_readers), repeat=max(1, args.repeat))
     small, large = configs[min(configs)], configs[max(configs)]
     out = {k: large[k] for k in ("turns", "ratio", "ratio_contract", "cpu_ratio", "cpu_ratio_contract", "ratio_ceiling",
                                  "cpu_ratio_ceiling", "peak_rss_mb", "incremental_ratio", "files_per_table")}

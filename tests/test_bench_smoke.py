@@ -26,7 +26,7 @@ def run_bench(*args: str, timeout: int = 600) -> dict:
 
 
 def test_ingest_smallest():
-    got = run_bench("bench/ingest.py", "--turns", "2000", "--users-per-1m", "10000", "--no-readers")
+    got = run_bench("bench/ingest.py", "--turns", "2000", "--users-per-1m", "10000", "--no-readers", "--repeat", "2")
     assert {"turns", "ratio", "ratio_contract", "cpu_ratio_contract", "peak_rss_mb", "incremental_ratio",
             "files_per_table", "configs"} <= got.keys()
     assert got["turns"] == 2000 and got["ratio"] > 0 and got["ratio_contract"] > 0 and got["peak_rss_mb"] > 0
@@ -34,6 +34,9 @@ def test_ingest_smallest():
     assert got["files_per_table"]["turns"] >= 1
     cfg = got["configs"]["2000"]
     assert len(cfg["incremental_runs_s"]) == 3 and cfg["incremental_s"] in cfg["incremental_runs_s"]
+    rounds = cfg["rounds_s"]  # --repeat 2: two rounds of each timed phase, the reported one among them
+    assert cfg["repeat"] == 2 and all(len(rounds[k]) == 2 for k in ("baseline", "contract", "ingest"))
+    assert cfg["ingest_s"] in rounds["ingest"] and cfg["contract_s"] in rounds["contract"]
     stages = cfg["incremental_stages_s"]  # the incremental's steps, the fixed ones included
     assert {"lock", "plan", "manifest", "read_check_spill", "merge", "write"} <= stages.keys()
     assert stages["plan"] > 0 and stages["manifest"] > 0 and stages["write"] > 0
