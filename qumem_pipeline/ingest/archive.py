@@ -111,6 +111,11 @@ class UserRuns:
     def users(self) -> list[str]:
         return list(self._rows)
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """user -> turns, from the runs already found (a group_by would hash every row's user id)."""
+        return {u: n for u, (_, n) in self._rows.items()}
+
     def frame(self, user_id: str) -> pl.DataFrame:
         rows = self._rows.get(user_id)
         return self.turns.slice(*rows) if rows else self.empty

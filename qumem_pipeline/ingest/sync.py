@@ -271,7 +271,7 @@ class _Sync:
                 users_all = [u for k in keys for u in users_by_key[k]]
                 groups = _groups(users_all, history, max_rows) if len(keys) == 1 or not self.spill else [users_all]
                 t = time.perf_counter()
-                staged = self._with_provenance(self.staging.take(keys, _empty_candidates()))
+                staged = self._take(keys)
                 self.report._add("take", t)
                 for users in groups:
                     mine = staged if len(groups) == 1 else staged.filter(pl.col("user_id").is_in(users))
@@ -293,6 +293,10 @@ class _Sync:
         t = time.perf_counter()
         _write_manifest(self.layout, self.plan, self.file_stats, self.version, keyer=_file_keyer(self.forgotten))
         self.report._add("manifest", t)
+
+    def _take(self, keys: list[int]) -> pl.DataFrame:
+        """One merge group's staged candidates, whole (staging.py `take`, provenance put back)."""
+        return self._with_provenance(self.staging.take(keys, _empty_candidates()))
 
     def _key_groups(self, users_by_key: dict[int, list[str]], history: dict[str, int],
                     bucket_bytes: int) -> list[list[int]]:
@@ -459,7 +463,7 @@ class _Sync:
         quarantine = quarantine.cast(dict(QUARANTINE_POLARS_SCHEMA)).select(list(QUARANTINE_POLARS_SCHEMA))
         dup_rows = _candidates_to_duplicates(dups)
         file_users = pl.concat([
-            turns.select("user_id", file_id="source_file_id"),
+            _distinct_runs(turns.select("user_id", file_id="source_file_id")),
             dup_rows.select("user_id", file_id="source_file_id"),
             quarantine.select("user_id", file_id=pl.col("source_file").replace_strict(self.path_ids, default=None)),
         ], how="vertical").drop_nulls().unique().sort("user_id", "file_id").cast(FILE_USERS_SCHEMA)
@@ -467,10 +471,11 @@ class _Sync:
         # Fingerprints are hashed while the turns are written (building lines and BLAKE3 release the
         # GIL); the writer waits for them only before it writes the fingerprints table, last.
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qumem-fingerprints")
-        fp_blocks = [pool.submit(b.hash) for b in UserRuns(turns).fingerprint_blocks()]
+        runs = UserRuns(turns)
+        fp_blocks = [pool.submit(b.hash) for b in runs.fingerprint_blocks()]
         pool.shutdown(wait=False)
         n_q = dict(quarantine.group_by("user_id").len().iter_rows()) if quarantine.height else {}
-        n_t = dict(turns.group_by("user_id").len().iter_rows()) if turns.height else {}
+        n_t = runs.counts
 
         def fingerprints() -> pl.DataFrame:
             t = time.perf_counter()
@@ -629,6 +634,15 @@ def _appendable(users: list[str], turns: pl.DataFrame, stored: pl.DataFrame | No
     tail = tail.filter(pl.col("turn_index") >= pl.col("_n")).drop("_n")
     rest = [u for u in users if u not in good]
     return tail, rest
+
+
+def _distinct_runs(pairs: pl.DataFrame) -> pl.DataFrame:
+    """Rows of `pairs` that differ from the row before them: a history-ordered table's (user, file)
+    pairs come in long runs, so the `unique` after hashes a few rows per user instead of every turn."""
+    if pairs.height < 2:
+        return pairs
+    changed = functools.reduce(operator.or_, [pl.col(c).ne_missing(pl.col(c).shift()) for c in pairs.columns])
+    return pairs.filter(changed.fill_null(True))
 
 
 def _store_buckets(layout) -> int:

@@ -416,12 +416,12 @@ class TableStore:
         if not users:
             return -1
         keys = rows.get_column(key_column).cast(pl.String)
+        present = set(keys.unique().to_list()) if rows.height else set()  # once: it hashes every row's key
         if rows.height:
-            extra = set(keys.unique().drop_nulls().to_list()) - set(users)
+            extra = present - {None} - set(users)
             if keys.null_count() or extra:
                 raise ValueError(f"table {table}: rows for users outside this replace ({sorted(extra)[:5]}, "
                                  f"{keys.null_count()} without {key_column})")
-        present = set(keys.unique().to_list()) if rows.height else set()
         frames = [rows.with_columns(keys.alias(KEY))] if rows.height else []
         empty = [u for u in users if u not in present] if placeholders else []
         if not frames and not empty and self._open(table) is None:
