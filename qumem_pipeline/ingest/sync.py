@@ -295,8 +295,12 @@ class _Sync:
         self.report._add("manifest", t)
 
     def _take(self, keys: list[int]) -> pl.DataFrame:
-        """One merge group's staged candidates, whole (staging.py `take`, provenance put back)."""
-        return self._with_provenance(self.staging.take(keys, _empty_candidates()))
+        """One merge group's staged candidates, whole (staging.py `take`, provenance put back). Spilled
+        parts are gathered without the derived columns (a concat would fill them with nulls first)."""
+        empty = _empty_candidates()
+        if self.spill:
+            empty = empty.drop(list(self._DERIVED))
+        return self._with_provenance(self.staging.take(keys, empty))
 
     def _key_groups(self, users_by_key: dict[int, list[str]], history: dict[str, int],
                     bucket_bytes: int) -> list[list[int]]:
