@@ -256,6 +256,10 @@ def compare_writers(data: Path, out: Path) -> dict:
 
 # ---------------------------------------------------------------- parent
 def run_child(name: str, work: Path) -> dict:
+    """One phase in a child process, started once the dirty pages of what ran before (the generated
+    archive, the last phase's output) are on disk: their write-back made each configuration's first
+    contract round 4-8 s slower than its others."""
+    os.sync()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, __file__, "--phase", name, "--work", str(work)],
                        capture_output=True, text=True, env=env, cwd=ROOT)
