@@ -257,8 +257,7 @@ def compare_writers(data: Path, out: Path) -> dict:
 # ---------------------------------------------------------------- parent
 def run_child(name: str, work: Path) -> dict:
     """One phase in a child process, started once the dirty pages of what ran before (the generated
-    archive, the last phase's output) are on disk: their write-back made each configuration's first
-    contract round 4-8 s slower than its others."""
+    archive, the last phase's output) are on disk, so that no phase pays for another's write-back."""
     os.sync()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, __file__, "--phase", name, "--work", str(work)],
@@ -283,8 +282,9 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool, repeat: int = 1) 
         mb = sum(f.stat().st_size for f in files) / 1e6
         print(f"[{n_turns:,} turns] generated {len(files)} files, {mb:,.0f} MB in {gen_s:.0f}s", file=sys.stderr, flush=True)
         # `repeat` rounds of the three timed phases, interleaved (baseline, contract, ingest, baseline, ...),
-        # each phase's median round reported: one round of the contract baseline moved by 3-4 s between
-        # runs on a quiet box, which alone moved `ratio_contract` by 0.15.
+        # each phase's median round reported: at 10M turns the contract baseline's first round took
+        # 20.7-22.4 s against 14.5-16.1 s for its others (three runs, 2026-12-06; the os.sync before each
+        # phase did not change that), which alone moves `ratio_contract` by 0.15-0.2.
         rounds: dict[str, list[dict]] = {"baseline": [], "contract": [], "ingest": []}
         for _ in range(repeat):
             for name in rounds:
