@@ -156,7 +156,8 @@ def phase(name: str, work: Path) -> dict:
     elif name in ("ingest", "incremental"):
         r = sync_archive(ArchiveConfig(str(archive)), DataLayout(data))
         out.update(files_read=r.files_read, users_rebuilt=r.users_rebuilt, rows_read=r.rows_read,
-                   quarantined=r.quarantined_read, new=len(r.new), unchanged=r.unchanged, stages_s=r.stages_s)
+                   quarantined=r.quarantined_read, new=len(r.new), unchanged=r.unchanged, stages_s=r.stages_s,
+                   spilled_bytes=r.spilled_bytes)
     elif name == "read":
         layout = DataLayout(data)
         users = sorted(layout.users_in("turns"))[:READ_USERS]
@@ -322,6 +323,8 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool, repeat: int = 1) 
             "cpu_ratio": round(base["cpu_s"] / ingest["cpu_s"], 3),
             "cpu_ratio_contract": round(contract["cpu_s"] / ingest["cpu_s"], 3),
             "ingest_stages_s": ingest["stages_s"],
+            # scratch the full ingest wrote (0 when its read was held in memory), per turn read
+            "spilled_bytes_per_turn": round(ingest["spilled_bytes"] / max(1, ingest["rows_read"]), 1),
             # a ceiling for `ratio`: the baseline plus only the content-hash pass every ingest of
             # new files makes (nothing else of the ingest counted)
             "hash_pass_s": hashed["seconds"], "hash_pass_cpu_s": hashed["cpu_s"],

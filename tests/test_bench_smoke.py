@@ -37,6 +37,7 @@ def test_ingest_smallest():
     rounds = cfg["rounds_s"]  # --repeat 2: two rounds of each timed phase, the reported one among them
     assert cfg["repeat"] == 2 and all(len(rounds[k]) == 2 for k in ("baseline", "contract", "ingest"))
     assert cfg["ingest_s"] in rounds["ingest"] and cfg["contract_s"] in rounds["contract"]
+    assert cfg["spilled_bytes_per_turn"] == 0  # 2,000 turns are held in memory, never spilled
     stages = cfg["incremental_stages_s"]  # the incremental's steps, the fixed ones included
     assert {"lock", "plan", "manifest", "read_check_spill", "merge", "write"} <= stages.keys()
     assert stages["plan"] > 0 and stages["manifest"] > 0 and stages["write"] > 0

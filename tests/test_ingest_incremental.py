@@ -408,12 +408,13 @@ def test_spilled_parts_leave_out_derived_columns_and_the_tables_keep_every_prove
     try:
         size = sum(f.stat().st_size for f in archive.glob("*.jsonl"))
         spilled = DataLayout(tmp_path / "spilled", n_buckets=4)
-        sync_archive(ArchiveConfig(str(archive)), spilled, bucket_bytes=size // 3)
+        r_spilled = sync_archive(ArchiveConfig(str(archive)), spilled, bucket_bytes=size // 3)
     finally:
         staging.read_spilled = real
     held = DataLayout(tmp_path / "held", n_buckets=4)
-    sync_archive(ArchiveConfig(str(archive)), held)
+    r_held = sync_archive(ArchiveConfig(str(archive)), held)
     assert spilled_columns, "the small budget must spill"
+    assert r_spilled.spilled_bytes > 0 and r_held.spilled_bytes == 0  # the scratch a sync wrote, reported
     derived = set(sync._Sync._DERIVED) | {"source_file"}
     assert all(not (cols & derived) and "_pos" in cols for cols in spilled_columns)
     for table in ("turns", "fingerprints", sync.FILE_USERS_TABLE):

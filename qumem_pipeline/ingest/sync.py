@@ -127,6 +127,9 @@ class SyncReport:
     users_rebuilt: int = 0
     rows_read: int = 0
     quarantined_read: int = 0
+    # Bytes of candidate rows written to this host's scratch (0 when the read was held in memory): the
+    # local disk a sync of that size needs, at most this much at once.
+    spilled_bytes: int = 0
     seconds: float = 0.0
     # Seconds by step. The fixed steps (lock: this host's lock and the root's lease; plan: archive
     # listing, manifest read, change detection; manifest: its pending and final writes) are most of an
@@ -331,6 +334,7 @@ class _Sync:
             if self.progress is not None:
                 self.progress("archive files read", self.report.files_read, len(self.plan.to_read))
             self.report.quarantined_read += staged.bad
+        self.report.spilled_bytes = self.staging.spilled_file_bytes
         return pl.concat(quarantine, how="vertical") if quarantine else pl.DataFrame(schema=QUARANTINE_POLARS_SCHEMA)
 
     def _prepare(self, batch, f, pos: int) -> tuple[pl.DataFrame, pl.DataFrame]:
