@@ -284,7 +284,7 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool, repeat: int = 1) 
         print(f"[{n_turns:,} turns] generated {len(files)} files, {mb:,.0f} MB in {gen_s:.0f}s", file=sys.stderr, flush=True)
         # `repeat` rounds of the three timed phases, interleaved (baseline, contract, ingest, baseline, ...),
         # each phase's median round reported: at 10M turns the contract baseline's first round took
-        # 20.7-22.4 s against 14.5-16.1 s for its others (three runs, 2026-12-06; the os.sync before each
+        # 20.7-22.4 s against 14.5-16.1 s for its others (four runs, 2026-12-06; the os.sync before each
         # phase did not change that), which alone moves `ratio_contract` by 0.15-0.2.
         rounds: dict[str, list[dict]] = {"baseline": [], "contract": [], "ingest": []}
         for _ in range(repeat):
