@@ -66,7 +66,7 @@ def _line_expr() -> pl.Expr:
     """One turn as text, ended by "\x1e": turn_index and the content fields, unit-separated, nulls as
     U+2400; the timestamp as integer microseconds since the epoch (formatting a UTC datetime as text
     cost more than the rest of the line). The end mark rides on the last field (short), not on the
-    whole line: appending it to the line built every line twice (~13% of the fingerprints' CPU)."""
+    whole line: appending it to the line built every line a second time."""
     fields = [pl.col("turn_index").cast(pl.String)] + [
         (pl.col(c).dt.epoch("us") if c == "timestamp" else pl.col(c)).cast(pl.String).fill_null("\u2400")
         for c in _FINGERPRINT_FIELDS]

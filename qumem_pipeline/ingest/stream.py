@@ -176,7 +176,7 @@ class _GiveUp(Exception):
 def _hash_and_count_lines(path: Path, hasher, block: int = 4 << 20) -> int:
     """Lines of the file (a last line without "\n" counts), hashing it on the same pass. One
     reused buffer (`readinto`): a fresh 16 MiB `bytes` per read cost ~40% more CPU in page faults.
-    Newlines are counted by numpy's vectorised compare (`bytes.count` took about twice its CPU)."""
+    Newlines are counted by numpy's vectorised compare (less CPU than `bytes.count`'s byte loop)."""
     n, last = 0, 10
     buf = bytearray(block)
     view = memoryview(buf)
