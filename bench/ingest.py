@@ -289,9 +289,10 @@ def run_config(n_turns: int, users_per_1m: int, readers: bool, repeat: int = 1) 
         rounds: dict[str, list[dict]] = {"baseline": [], "contract": [], "ingest": []}
         for _ in range(repeat):
             for name in rounds:
-                shutil.rmtree(work / ("data" if name == "ingest" else "contract"), ignore_errors=True)
+                if name == "ingest":  # into a fresh data root each round
+                    shutil.rmtree(work / "data", ignore_errors=True)
                 rounds[name].append(run_child(name, work))
-            shutil.rmtree(work / "contract", ignore_errors=True)
+                shutil.rmtree(work / "contract", ignore_errors=True)
         base, contract, ingest = (_median(rounds[k]) for k in ("baseline", "contract", "ingest"))
         if repeat > 1:  # the data root the later phases read is the last round's (the same rows)
             print(f"[{n_turns:,} turns] rounds (s): " + ", ".join(

@@ -66,7 +66,7 @@ class Staging:
         self.flush_bytes = flush_bytes
         self.held: dict[int, list[pl.DataFrame]] = {}
         self._spilled_bytes: dict[int, int] = {}
-        self.spilled_file_bytes = 0  # bytes of the spill files written (a restarted file's included)
+        self.spilled_file_bytes = 0  # bytes of the spill files kept for the merge
         self._cost_lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -106,12 +106,13 @@ class Staging:
     def _file(self, rank: int, f, chunk_bytes: int, batch_rows: int, reader: str) -> StagedFile:
         """Read one file; a RESTART of its reader drops what it staged so far."""
         out, parts, buffered, size = StagedFile(), [], {}, 0
-        mine: dict[int, int] = {}  # bytes this file spilled by key (taken back if its reader restarts)
+        cost: dict[int, int] = {}  # this file's spilled rows by key, as taken back (published as it ends)
+        on_disk = 0
         hasher = content_hasher()
         pos = 0
 
         def flush() -> None:
-            nonlocal size
+            nonlocal size, on_disk
             for k, chunks in buffered.items():
                 d = self.scratch / f"bucket={k}"
                 d.mkdir(exist_ok=True)
@@ -119,11 +120,11 @@ class Staging:
                 part = pl.concat(chunks, how="vertical", rechunk=False)
                 slim = self.slim(part, rank)
                 slim.write_ipc(path)
+                # the budget counts the rows as taken back: the file plus the columns `restore` adds
                 restored = part.select(c for c in part.columns if c not in slim.columns).estimated_size()
-                size_on_disk = path.stat().st_size
-                self._count(k, size_on_disk + int(restored), mine)
-                with self._cost_lock:
-                    self.spilled_file_bytes += size_on_disk
+                written = path.stat().st_size
+                cost[k] = cost.get(k, 0) + written + int(restored)
+                on_disk += written
                 parts.append(path)
             buffered.clear()
             size = 0
@@ -135,9 +136,8 @@ class Staging:
             if batch is RESTART:  # the fast reader gave up: forget what it staged for this file
                 for p in parts:
                     p.unlink()
-                for k, n in list(mine.items()):
-                    self._count(k, -n, mine)
-                out, parts, pos = StagedFile(), [], 0
+                cost.clear()
+                out, parts, pos, on_disk = StagedFile(), [], 0, 0
                 buffered.clear()
                 size = 0
                 continue
@@ -160,14 +160,11 @@ class Staging:
                     flush()
         flush()
         out.digest = content_digest(hasher)
-        return out
-
-    def _count(self, key: int, n: int, mine: dict[int, int]) -> None:
-        """Spilled bytes plus what `restore` adds back: the merge groups' budget counts rows as they
-        are taken, not as spilled."""
-        mine[key] = mine.get(key, 0) + n
         with self._cost_lock:  # files are read on several threads
-            self._spilled_bytes[key] = self._spilled_bytes.get(key, 0) + n
+            for k, n in cost.items():
+                self._spilled_bytes[k] = self._spilled_bytes.get(k, 0) + n
+            self.spilled_file_bytes += on_disk
+        return out
 
     def cost(self, key: int) -> int:
         """Bytes staged for `key` (the held frames' size, or the spill files' with the restored
