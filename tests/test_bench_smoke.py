@@ -54,6 +54,15 @@ def test_store_reopen_smallest():
         assert r["updates_per_sync"]["reopen"] > r["updates_per_sync"]["reload"]
 
 
+def test_store_reads_smallest():
+    got = run_bench("bench/store_reads.py", "--users", "500", "--rows-per-user", "20", "--repeat", "2")
+    for table in ("small_files", "mixed_files"):
+        c = got["configs"][table]
+        assert c["chosen"]["rows"] == c["one_scan"]["rows"] == c["pyarrow"]["rows"] > 0
+        assert c["files"] >= c["single_row_group_files"] > 0 and c["chosen"]["ms"] > 0
+    assert got["small_files_speedup"] > 0 and got["mixed_files_speedup"] > 0
+
+
 def test_retrieval_latency_smoke():
     got = run_bench("bench/retrieval_latency.py", "--smoke")
     assert {"batched_latency_ms", "batched_amortized_ms_per_query", "query_at_a_time_ms", "throughput_speedup"} <= got.keys()

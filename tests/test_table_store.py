@@ -358,3 +358,32 @@ def test_user_read_decodes_only_row_groups_holding_the_users(tmp_path, monkeypat
     assert got.equals(full.filter(pl.col("user_key").is_in(wanted)))
     assert got["user_key"].unique().sort().to_list() == wanted
     assert TableStore(tmp_path).read("turns", ["nobody"]).height == 0
+
+
+def test_local_user_reads_scan_each_file_for_its_own_buckets_users_and_agree_with_pyarrow(tmp_path, monkeypatch):
+    """On a local root a user read scans each file of the touched buckets for that bucket's users only
+    (bench/store_reads.py: one scan with the whole list cost more) and returns exactly what the pyarrow
+    path returns: files from several commits, one written before a column was added (its rows get the
+    column as nulls), the bucket column from each file's partition, any column subset."""
+    from qumem_pipeline.storage import table_store
+
+    store = TableStore(tmp_path, n_buckets=4)
+    a, b = [f"user{i:02d}" for i in range(0, 20)], [f"user{i:02d}" for i in range(20, 40)]
+    store.replace_keyed("t", a, _rows(a))
+    store.replace_keyed("t", b, _rows(b).with_columns(extra=pl.lit("x")))  # a column added later
+    store.append("t", _rows(["user03", "user33"], n=2, tag="v2").with_columns(turn_index=pl.col("turn_index") + 3))
+    assert len(store.files("t")) >= 10
+    wanted = ["user03", "user07", "user18", "user22", "user33", "user39", "nobody"]
+    for cols in (None, ["text"], [], ["extra", "user_bucket"]):
+        monkeypatch.setattr(table_store, "POLARS_LOCAL_READS", True)
+        got = TableStore(tmp_path).read("t", wanted, columns=cols)
+        monkeypatch.setattr(table_store, "POLARS_LOCAL_READS", False)
+        want = TableStore(tmp_path).read("t", wanted, columns=cols)
+        assert got.columns == want.columns and got.schema == want.schema
+        key = [c for c in ("user_key", "turn_index") if c in got.columns]
+        assert got.sort(key, maintain_order=True).equals(want.sort(key, maintain_order=True)), cols
+    full = TableStore(tmp_path).read("t")
+    assert got.height == full.filter(pl.col("user_key").is_in(wanted)).height == 3 * 6 + 2 * 2
+    assert got.filter(pl.col("user_key") == "user03")["extra"].to_list() == [None] * 5
+    assert got.filter(pl.col("user_key") == "user39")["extra"].to_list() == ["x"] * 3
+    assert got.group_by("user_key").agg(pl.col("user_bucket").n_unique())["user_bucket"].to_list() == [1] * 6

@@ -64,7 +64,14 @@ from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
 from qumem_pipeline.contracts.ids import valid_user_id_expr
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.contracts.stage_versions import stage_version
-from qumem_pipeline.ingest.archive import _EMPTY_FINGERPRINT, FINGERPRINT_SCHEMA, WRITER_THREADS, ArchiveConfig, UserRuns
+from qumem_pipeline.ingest.archive import (
+    _EMPTY_FINGERPRINT,
+    FINGERPRINT_SCHEMA,
+    WRITER_THREADS,
+    ArchiveConfig,
+    UserRuns,
+    _in_history_order,
+)
 from qumem_pipeline.ingest.importers.base import RAW_COLUMNS
 from qumem_pipeline.ingest.manifest import (
     FILE_USERS_SCHEMA,
@@ -250,16 +257,21 @@ class _Sync:
         self.spill = read_bytes > (bucket_bytes if memory_bytes is None else memory_bytes)
         self.n_sub = max(1, math.ceil(read_bytes / self.n_store / bucket_bytes))
         self._bucket_of: dict[str, int] = {}
-        # Pending first: a run killed from here on is redone by the next (see module doc).
-        t = time.perf_counter()
-        _write_manifest(self.layout, self.plan, {}, self.version, pending=True)
-        self.report._add("manifest", t)
         parent = _host_path(self.layout, ".scratch")
         parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix="sync-", dir=parent))
         self._writer, self._pending_write = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qumem-ingest-write"), None
         self._store_lock = threading.Lock()
         try:
+            # Pending first: a run killed from here on is redone by the next (see module doc). Written on
+            # the writer thread while the files are read: its writes run in order, so the mark lands
+            # before any user's rows, and a failed mark is raised before the first group is written.
+            def pending() -> None:
+                t = time.perf_counter()
+                _write_manifest(self.layout, self.plan, {}, self.version, pending=True)
+                self.report._add("manifest", t)
+
+            self._submit(pending)
             t = time.perf_counter()
             new_q = self._stage(scratch, chunk_bytes, batch_rows)
             self.report._add("read_check_spill", t)
@@ -426,7 +438,7 @@ class _Sync:
         """Rows each affected user already has in the tables (their fingerprint's n_turns)."""
         if not users or not self.plan.old:
             return {}
-        fp = self.layout.read_table("fingerprints", users)
+        fp = self.layout.read_table("fingerprints", sorted(users))  # user order: no sort back
         return {} if fp is None else dict(fp.select("user_id", "n_turns").iter_rows())
 
     def _read_stored(self, users: list[str]) -> dict[str, pl.DataFrame | None]:
@@ -438,6 +450,9 @@ class _Sync:
         if not self.plan.old:
             return held
         tables = [t for t in held if t != FILE_USERS_TABLE or (hasattr(self.layout, "store") and not self._only_new_files)]
+        # in user order, as the store returns them: `users` comes in spill-key order, and asking for that
+        # order made each read sort its rows back into it (and `_appendable` sort them again)
+        users = sorted(users)
         with self._store_lock, ThreadPoolExecutor(max_workers=len(tables), thread_name_prefix="qumem-ingest-read-back") as pool:
             # one table per thread: a table's handle is never used by two threads at once
             held.update(zip(tables, pool.map(lambda t: self.layout.read_table(t, users), tables)))
@@ -622,15 +637,16 @@ def _appendable(users: list[str], turns: pl.DataFrame, stored: pl.DataFrame | No
     cols = turns.columns
     if any(c not in stored.columns or stored.schema[c] != turns.schema[c] for c in cols):
         return None, users
-    stored = stored.select(cols).sort("user_id", "turn_index")
+    stored = _in_history_order(stored.select(cols))  # read back in history order already: usually no sort
     n = stored.group_by("user_id").agg(_n=pl.len(), _bad=pl.col("source_file_id").is_in(sorted(dropped)).any()
                                        | pl.col("source_file_id").is_null().any())
     have = turns.group_by("user_id").agg(_m=pl.len())
     ok = n.join(have, on="user_id", how="inner").filter(~pl.col("_bad") & (pl.col("_m") >= pl.col("_n")))
     ok_users = ok["user_id"]
     a = stored.filter(pl.col("user_id").is_in(ok_users))
-    b = turns.join(ok.select("user_id", "_n"), on="user_id", how="inner").filter(pl.col("turn_index") < pl.col("_n"))
-    b = b.sort("user_id", "turn_index").select(cols)
+    b = turns.join(ok.select("user_id", "_n"), on="user_id", how="inner", maintain_order="left")
+    b = b.filter(pl.col("turn_index") < pl.col("_n"))
+    b = _in_history_order(b).select(cols)
     if a.height != b.height:  # cannot happen when both are numbered 0..n-1; be safe
         return None, users
     changed = set()

@@ -303,7 +303,8 @@ class TableStore:
         prefix = f"{base}/{table}"
         acts = pl.DataFrame(dt.get_add_actions(flatten=True)).filter(pl.col(f"partition.{BUCKET}").is_in(buckets))
         if POLARS_LOCAL_READS and not is_uri(self.root) and acts.height:
-            return _scan_users_local([f"{prefix}/{unquote(p)}" for p in acts["path"].to_list()], ds.schema, bucket_of, cols)
+            files = [(f"{prefix}/{unquote(p)}", b) for p, b in acts.select("path", f"partition.{BUCKET}").iter_rows()]
+            return _scan_users_local(files, ds.schema, bucket_of, cols)
         fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
         flt = pads.field(BUCKET).isin(buckets) & pads.field(KEY).isin(users)
         pieces = []
@@ -911,25 +912,35 @@ def _frame(arrow: pa.Table) -> pl.DataFrame:
     return df if isinstance(df, pl.DataFrame) else df.to_frame()  # from_arrow of a table is a frame
 
 
-def _scan_users_local(paths: list[str], schema: pa.Schema, bucket_of: dict[str, int],
+def _scan_users_local(files: list[tuple[str, str | int]], schema: pa.Schema, bucket_of: dict[str, int],
                       cols: list[str] | None) -> pl.DataFrame:
-    """Rows of the users of `bucket_of` from these local files, as `_read_users`' pyarrow path returns them
-    (the table's schema, `cols` in order), read by polars' Parquet scan: it prunes row groups on the
-    `is_in` from their statistics itself and reads the files in parallel, with a much smaller fixed
-    cost per file than a pyarrow dataset. That cost is what a nightly incremental sync pays most: it
-    reads back its users from their buckets' files, many of them the small files earlier runs
-    appended (bench/ingest.py's incremental `merge` step, docs/benchmarks.md). Files written before
-    a column was added get it as nulls; the partition column is not in the files, so it comes from
-    `bucket_of` (the buckets that placed the rows)."""
+    """Rows of the users of `bucket_of` from these local (path, bucket) files, as `_read_users`' pyarrow
+    path returns them (the table's schema, `cols` in order), read by polars' Parquet scan: it prunes row
+    groups on the `is_in` from their statistics itself, with a much smaller fixed cost per file than a
+    pyarrow dataset. That cost is what a nightly incremental sync pays most: it reads back its users
+    from their buckets' files, many of them the small files earlier runs appended (bench/ingest.py's
+    incremental `merge` step, docs/benchmarks.md).
+
+    One scan per file, each filtered on its own bucket's users, collected together (`collect_all`
+    runs them in parallel): one scan of every file with the whole user list cost polars that list's
+    check on every row group of every file, 3x the per-file scans on one-row-group files
+    (bench/store_reads.py). Files written before a column was added get it as nulls; the partition
+    column is not in the files, so it comes from the file's bucket."""
     full = pl.from_arrow(schema.empty_table()).schema
     in_files = {c: t for c, t in full.items() if c != BUCKET}
     wanted = list(full) if cols is None else list(cols)
-    lf = pl.scan_parquet(paths, schema=in_files, missing_columns="insert", extra_columns="ignore",
-                         hive_partitioning=False, glob=False)
-    lf = lf.filter(pl.col(KEY).is_in(list(bucket_of)))
-    if BUCKET in wanted:
-        lf = lf.with_columns(pl.col(KEY).replace_strict(bucket_of, return_dtype=full[BUCKET]).alias(BUCKET))
-    return lf.select(wanted).collect()
+    users_of: dict[int, list[str]] = {}
+    for u, b in bucket_of.items():
+        users_of.setdefault(int(b), []).append(u)
+    scans = []
+    for path, b in files:
+        lf = pl.scan_parquet(path, schema=in_files, missing_columns="insert", extra_columns="ignore",
+                             hive_partitioning=False, glob=False)
+        lf = lf.filter(pl.col(KEY).is_in(users_of.get(int(b), [])))
+        if BUCKET in wanted:
+            lf = lf.with_columns(pl.lit(int(b), dtype=full[BUCKET]).alias(BUCKET))
+        scans.append(lf.select(wanted))
+    return pl.concat(pl.collect_all(scans), how="vertical", rechunk=False)
 
 
 def _pa_schema(arrow_schema):
