@@ -923,7 +923,7 @@ def _scan_users_local(files: list[tuple[str, str | int]], schema: pa.Schema, buc
 
     One scan per file, each filtered on its own bucket's users, collected together (`collect_all`
     runs them in parallel): one scan of every file with the whole user list cost polars that list's
-    check on every row group of every file, 3x the per-file scans on one-row-group files
+    check on every row group of every file: 1.5-1.7x the per-file scans' time on a 100-user read
     (bench/store_reads.py). Files written before a column was added get it as nulls; the partition
     column is not in the files, so it comes from the file's bucket."""
     full = pl.from_arrow(schema.empty_table()).schema
