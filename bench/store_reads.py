@@ -21,11 +21,17 @@ footers pruned here, pyarrow's dataset); medians in milliseconds, and the rows e
 must agree). Last line keys: `small_files_speedup` and `mixed_files_speedup` (one_scan / chosen),
 `configs`.
 
-    python bench/store_reads.py [--users 10000] [--rows-per-user 500] [--repeat 9] [--json]
+`--s3`: the same two tables also on S3 (moto's standalone server on loopback, as the tests run it),
+where reads take the pyarrow path: `chosen` (each file's size from its add action given to pyarrow,
+`table_store._sizes`) against `no_sizes` (pyarrow asks the store for each file's size first, a HEAD
+request per file); keys `s3_small_files_speedup`, `s3_mixed_files_speedup` (no_sizes / chosen), `s3`.
+
+    python bench/store_reads.py [--users 10000] [--rows-per-user 500] [--repeat 9] [--s3] [--json]
 """
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -48,7 +54,7 @@ def _users(n: int) -> list[str]:
     return [f"user-{i:06d}" for i in range(n)]
 
 
-def build(root: Path, users: int, rows_per_user: int) -> None:
+def build(root: Path | str, users: int, rows_per_user: int) -> None:
     store = TableStore(root, n_buckets=64)
     ids = _users(users)
     for k in range(5):
@@ -84,18 +90,19 @@ def one_scan(files: list[tuple[str, int]], schema, bucket_of: dict[str, int], co
     return lf.select(wanted).collect()
 
 
-def timed_reads(root: Path, table: str, repeat: int) -> dict:
+LOCAL_READERS = {"chosen": {}, "one_scan": {"_scan_users_local": one_scan}, "pyarrow": {"POLARS_LOCAL_READS": False}}
+S3_READERS = {"chosen": {}, "no_sizes": {"_sizes": lambda acts: [None] * acts.height}}
+
+
+def timed_reads(root: Path | str, table: str, repeat: int, readers: dict[str, dict]) -> dict:
+    """Each reader (table_store attributes it replaces) reads the same users `repeat` times."""
     users = _users(READ_USERS)
-    real_scan, real_local = table_store._scan_users_local, table_store.POLARS_LOCAL_READS
-    readers = {
-        "chosen": (real_scan, True),
-        "one_scan": (one_scan, True),
-        "pyarrow": (real_scan, False),
-    }
     out = {}
-    try:
-        for name, (scan, local) in readers.items():
-            table_store._scan_users_local, table_store.POLARS_LOCAL_READS = scan, local
+    for name, patch in readers.items():
+        saved = {k: getattr(table_store, k) for k in patch}
+        try:
+            for k, v in patch.items():
+                setattr(table_store, k, v)
             store = TableStore(root)
             store.read(table, users)  # the handle loaded once, as a sync's store holds it
             times, rows = [], None
@@ -104,8 +111,9 @@ def timed_reads(root: Path, table: str, repeat: int) -> dict:
                 rows = store.read(table, users).height
                 times.append(time.perf_counter() - t)
             out[name] = {"ms": round(statistics.median(times) * 1000, 2), "rows": rows}
-    finally:
-        table_store._scan_users_local, table_store.POLARS_LOCAL_READS = real_scan, real_local
+        finally:
+            for k, v in saved.items():
+                setattr(table_store, k, v)
     assert len({r["rows"] for r in out.values()}) == 1, out
     dt = TableStore(root)._open(table)
     acts = pl.DataFrame(dt.get_add_actions(flatten=True))
@@ -113,11 +121,32 @@ def timed_reads(root: Path, table: str, repeat: int) -> dict:
     return out
 
 
+def s3_configs(users: int, rows_per_user: int, repeat: int) -> dict:
+    import uuid
+
+    from qumem_pipeline.runtime.processes import MOTO_S3_ENV, moto_s3
+
+    saved = {k: os.environ.get(k) for k in [*MOTO_S3_ENV, "AWS_ENDPOINT_URL"]}
+    try:
+        with moto_s3(buckets=("bench",)) as endpoint:
+            os.environ.update({**MOTO_S3_ENV, "AWS_ENDPOINT_URL": endpoint})
+            root = f"s3://bench/{uuid.uuid4().hex[:8]}"
+            build(root, users, rows_per_user)
+            return {table: timed_reads(root, table, repeat, S3_READERS) for table in ("small_files", "mixed_files")}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=10_000)
     ap.add_argument("--rows-per-user", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--s3", action="store_true", help="also on S3 (moto on loopback): file sizes given to pyarrow or not")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="qumem-bench-store-reads-"))
@@ -125,7 +154,7 @@ def main() -> int:
         t = time.perf_counter()
         build(root, args.users, args.rows_per_user)
         print(f"built in {time.perf_counter() - t:.1f}s", file=sys.stderr)
-        configs = {table: timed_reads(root, table, args.repeat) for table in ("small_files", "mixed_files")}
+        configs = {table: timed_reads(root, table, args.repeat, LOCAL_READERS) for table in ("small_files", "mixed_files")}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{'table':<14}{'files':>7}{'1-group':>9}{'chosen ms':>11}{'one_scan ms':>13}{'pyarrow ms':>12}{'rows':>8}")
@@ -136,6 +165,14 @@ def main() -> int:
     out = {"small_files_speedup": round(small["one_scan"]["ms"] / small["chosen"]["ms"], 3),
            "mixed_files_speedup": round(mixed["one_scan"]["ms"] / mixed["chosen"]["ms"], 3),
            "users": args.users, "rows_per_user": args.rows_per_user, "repeat": args.repeat, "configs": configs}
+    if args.s3:
+        s3 = s3_configs(args.users, args.rows_per_user, args.repeat)
+        print(f"{'s3 table':<14}{'files':>7}{'chosen ms':>11}{'no_sizes ms':>13}{'rows':>8}")
+        for table, c in s3.items():
+            print(f"{table:<14}{c['files']:>7}{c['chosen']['ms']:>11.1f}{c['no_sizes']['ms']:>13.1f}{c['chosen']['rows']:>8}")
+        out.update(s3_small_files_speedup=round(s3["small_files"]["no_sizes"]["ms"] / s3["small_files"]["chosen"]["ms"], 3),
+                   s3_mixed_files_speedup=round(s3["mixed_files"]["no_sizes"]["ms"] / s3["mixed_files"]["chosen"]["ms"], 3),
+                   s3=s3)
     if args.json:
         print(json.dumps(out))
     return 0

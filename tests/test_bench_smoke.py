@@ -55,12 +55,14 @@ def test_store_reopen_smallest():
 
 
 def test_store_reads_smallest():
-    got = run_bench("bench/store_reads.py", "--users", "500", "--rows-per-user", "20", "--repeat", "2")
+    pytest.importorskip("moto.server")
+    got = run_bench("bench/store_reads.py", "--users", "500", "--rows-per-user", "20", "--repeat", "2", "--s3")
     for table in ("small_files", "mixed_files"):
-        c = got["configs"][table]
-        assert c["chosen"]["rows"] == c["one_scan"]["rows"] == c["pyarrow"]["rows"] > 0
-        assert c["files"] >= c["single_row_group_files"] > 0 and c["chosen"]["ms"] > 0
+        c, s3 = got["configs"][table], got["s3"][table]
+        assert c["chosen"]["rows"] == c["one_scan"]["rows"] == c["pyarrow"]["rows"] == s3["no_sizes"]["rows"] > 0
+        assert c["files"] >= c["single_row_group_files"] > 0 and c["chosen"]["ms"] > 0 and s3["chosen"]["ms"] > 0
     assert got["small_files_speedup"] > 0 and got["mixed_files_speedup"] > 0
+    assert got["s3_small_files_speedup"] > 0 and got["s3_mixed_files_speedup"] > 0
 
 
 def test_retrieval_latency_smoke():

@@ -309,8 +309,8 @@ class TableStore:
         flt = pads.field(BUCKET).isin(buckets) & pads.field(KEY).isin(users)
         pieces = []
         n_rows = acts["num_records"] if "num_records" in acts.columns else pl.repeat(None, acts.height, eager=True)
-        for (path, b), rows in zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), n_rows):
-            frag = fmt.make_fragment(f"{prefix}/{unquote(path)}", filesystem=fs,
+        for (path, b), rows, size in zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), n_rows, _sizes(acts)):
+            frag = fmt.make_fragment(f"{prefix}/{unquote(path)}", filesystem=fs, file_size=size,
                                      partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
             if rows is not None and rows <= ROW_GROUP_ROWS:  # one row group at most: no footer read to prune it
                 pieces.append(frag)
@@ -338,9 +338,10 @@ class TableStore:
         if acts.height:
             acts = acts.filter(pl.col(f"partition.{BUCKET}").is_in(buckets))
         fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
-        pieces = [fmt.make_fragment(f"{base}/{table}/{unquote(path)}", filesystem=fs,
+        pieces = [fmt.make_fragment(f"{base}/{table}/{unquote(path)}", filesystem=fs, file_size=size,
                                     partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
-                  for path, b in (acts.select("path", f"partition.{BUCKET}").iter_rows() if acts.height else [])]
+                  for (path, b), size in (zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), _sizes(acts))
+                                          if acts.height else [])]
         with self._counts_lock:
             self.files_read[table] += len(pieces)
         if pieces:
@@ -905,6 +906,15 @@ def _row_groups_holding(md, users: list[str]) -> list[int]:
         if j < len(users) and users[j] <= st.max:
             keep.append(i)
     return keep
+
+
+def _sizes(acts: pl.DataFrame) -> list[int | None]:
+    """Each file's size from its add action: given to pyarrow's fragments, so that opening a file on an
+    object store does not first ask the store for its size (a HEAD per file: on moto's S3 server a third
+    of a 100-user read's time, `bench/store_reads.py --s3`)."""
+    if "size_bytes" not in acts.columns:
+        return [None] * acts.height
+    return acts["size_bytes"].to_list()
 
 
 def _frame(arrow: pa.Table) -> pl.DataFrame:
