@@ -126,19 +126,12 @@ def s3_configs(users: int, rows_per_user: int, repeat: int) -> dict:
 
     from qumem_pipeline.runtime.processes import MOTO_S3_ENV, moto_s3
 
-    saved = {k: os.environ.get(k) for k in [*MOTO_S3_ENV, "AWS_ENDPOINT_URL"]}
-    try:
-        with moto_s3(buckets=("bench",)) as endpoint:
-            os.environ.update({**MOTO_S3_ENV, "AWS_ENDPOINT_URL": endpoint})
-            root = f"s3://bench/{uuid.uuid4().hex[:8]}"
-            build(root, users, rows_per_user)
-            return {table: timed_reads(root, table, repeat, S3_READERS) for table in ("small_files", "mixed_files")}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # the store's S3 filesystem reads its endpoint and keys from the environment (this bench's process ends after)
+    with moto_s3(buckets=("bench",)) as endpoint:
+        os.environ.update({**MOTO_S3_ENV, "AWS_ENDPOINT_URL": endpoint})
+        root = f"s3://bench/{uuid.uuid4().hex[:8]}"
+        build(root, users, rows_per_user)
+        return {table: timed_reads(root, table, repeat, S3_READERS) for table in ("small_files", "mixed_files")}
 
 
 def main() -> int:
