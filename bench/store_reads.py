@@ -23,7 +23,7 @@ must agree). Last line keys: `small_files_speedup` and `mixed_files_speedup` (on
 
 `--s3`: the same two tables also on S3 (moto's standalone server on loopback, as the tests run it),
 where reads take the pyarrow path: `chosen` (each file's size from its add action given to pyarrow,
-`table_store._sizes`) against `no_sizes` (pyarrow asks the store for each file's size first, a HEAD
+`table_store._fragments`) against `no_sizes` (pyarrow asks the store for each file's size first, a HEAD
 request per file); keys `s3_small_files_speedup`, `s3_mixed_files_speedup` (no_sizes / chosen), `s3`.
 
     python bench/store_reads.py [--users 10000] [--rows-per-user 500] [--repeat 9] [--s3] [--json]
@@ -37,7 +37,9 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import polars as pl
 
@@ -60,7 +62,7 @@ def build(root: Path | str, users: int, rows_per_user: int) -> None:
     for k in range(5):
         part = ids[k::5]
         store.replace_keyed("small_files", part, pl.DataFrame({
-            "user_id": part, "fingerprint": [f"{hash(u):x}" for u in part], "n_turns": [rows_per_user] * len(part)}))
+            "user_id": part, "fingerprint": [u[::-1] for u in part], "n_turns": [rows_per_user] * len(part)}))
     heavy = ids[: max(READ_USERS, users // 5)]
     n = len(heavy) * rows_per_user
     store.replace_keyed("mixed_files", heavy, pl.DataFrame({
@@ -91,7 +93,9 @@ def one_scan(files: list[tuple[str, int]], schema, bucket_of: dict[str, int], co
 
 
 LOCAL_READERS = {"chosen": {}, "one_scan": {"_scan_users_local": one_scan}, "pyarrow": {"POLARS_LOCAL_READS": False}}
-S3_READERS = {"chosen": {}, "no_sizes": {"_sizes": lambda acts: [None] * acts.height}}
+_fragments = table_store._fragments
+S3_READERS = {"chosen": {}, "no_sizes": {"_fragments": lambda fmt, fs, prefix, acts, bucket_type: _fragments(
+    fmt, fs, prefix, acts.drop("size_bytes", strict=False), bucket_type)}}
 
 
 def timed_reads(root: Path | str, table: str, repeat: int, readers: dict[str, dict]) -> dict:
@@ -99,10 +103,9 @@ def timed_reads(root: Path | str, table: str, repeat: int, readers: dict[str, di
     users = _users(READ_USERS)
     out = {}
     for name, patch in readers.items():
-        saved = {k: getattr(table_store, k) for k in patch}
-        try:
-            for k, v in patch.items():
-                setattr(table_store, k, v)
+        with ExitStack() as stack:
+            for attr, value in patch.items():
+                stack.enter_context(mock.patch.object(table_store, attr, value))
             store = TableStore(root)
             store.read(table, users)  # the handle loaded once, as a sync's store holds it
             times, rows = [], None
@@ -111,9 +114,6 @@ def timed_reads(root: Path | str, table: str, repeat: int, readers: dict[str, di
                 rows = store.read(table, users).height
                 times.append(time.perf_counter() - t)
             out[name] = {"ms": round(statistics.median(times) * 1000, 2), "rows": rows}
-        finally:
-            for k, v in saved.items():
-                setattr(table_store, k, v)
     assert len({r["rows"] for r in out.values()}) == 1, out
     dt = TableStore(root)._open(table)
     acts = pl.DataFrame(dt.get_add_actions(flatten=True))

@@ -305,13 +305,10 @@ class TableStore:
         if POLARS_LOCAL_READS and not is_uri(self.root) and acts.height:
             files = [(f"{prefix}/{unquote(p)}", b) for p, b in acts.select("path", f"partition.{BUCKET}").iter_rows()]
             return _scan_users_local(files, ds.schema, bucket_of, cols)
-        fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
+        fmt = pads.ParquetFileFormat()
         flt = pads.field(BUCKET).isin(buckets) & pads.field(KEY).isin(users)
         pieces = []
-        n_rows = acts["num_records"] if "num_records" in acts.columns else pl.repeat(None, acts.height, eager=True)
-        for (path, b), rows, size in zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), n_rows, _sizes(acts)):
-            frag = fmt.make_fragment(f"{prefix}/{unquote(path)}", filesystem=fs, file_size=size,
-                                     partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
+        for frag, rows in _fragments(fmt, fs, prefix, acts, ds.schema.field(BUCKET).type):
             if rows is not None and rows <= ROW_GROUP_ROWS:  # one row group at most: no footer read to prune it
                 pieces.append(frag)
                 continue
@@ -337,11 +334,8 @@ class TableStore:
         acts = pl.DataFrame(dt.get_add_actions(flatten=True))
         if acts.height:
             acts = acts.filter(pl.col(f"partition.{BUCKET}").is_in(buckets))
-        fmt, btype = pads.ParquetFileFormat(), ds.schema.field(BUCKET).type
-        pieces = [fmt.make_fragment(f"{base}/{table}/{unquote(path)}", filesystem=fs, file_size=size,
-                                    partition_expression=pads.field(BUCKET) == pa.scalar(b, btype))
-                  for (path, b), size in (zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), _sizes(acts))
-                                          if acts.height else [])]
+        fmt = pads.ParquetFileFormat()
+        pieces = [frag for frag, _ in _fragments(fmt, fs, f"{base}/{table}", acts, ds.schema.field(BUCKET).type)]
         with self._counts_lock:
             self.files_read[table] += len(pieces)
         if pieces:
@@ -908,13 +902,18 @@ def _row_groups_holding(md, users: list[str]) -> list[int]:
     return keep
 
 
-def _sizes(acts: pl.DataFrame) -> list[int | None]:
-    """Each file's size from its add action: given to pyarrow's fragments, so that opening a file on an
-    object store does not first ask the store for its size (a HEAD per file: on moto's S3 server a third
-    of a 100-user read's time, `bench/store_reads.py --s3`)."""
-    if "size_bytes" not in acts.columns:
-        return [None] * acts.height
-    return acts["size_bytes"].to_list()
+def _fragments(fmt, fs, prefix: str, acts: pl.DataFrame, bucket_type) -> list[tuple]:
+    """(pyarrow fragment, rows or None) for each file of `acts` (add actions, flattened): its bucket as the
+    partition expression, and its size from the log, so that opening a file on an object store does not
+    first ask the store for its size (a HEAD per file: on moto's S3 server about a third of a 100-user
+    read's time, `bench/store_reads.py --s3`)."""
+    if not acts.height:
+        return []
+    rows = acts["num_records"] if "num_records" in acts.columns else pl.repeat(None, acts.height, eager=True)
+    sizes = acts["size_bytes"] if "size_bytes" in acts.columns else pl.repeat(None, acts.height, eager=True)
+    return [(fmt.make_fragment(f"{prefix}/{unquote(path)}", filesystem=fs, file_size=size,
+                               partition_expression=pads.field(BUCKET) == pa.scalar(b, bucket_type)), n)
+            for (path, b), n, size in zip(acts.select("path", f"partition.{BUCKET}").iter_rows(), rows, sizes)]
 
 
 def _frame(arrow: pa.Table) -> pl.DataFrame:
@@ -922,7 +921,7 @@ def _frame(arrow: pa.Table) -> pl.DataFrame:
     return df if isinstance(df, pl.DataFrame) else df.to_frame()  # from_arrow of a table is a frame
 
 
-def _scan_users_local(files: list[tuple[str, str | int]], schema: pa.Schema, bucket_of: dict[str, int],
+def _scan_users_local(files: list[tuple[str, int]], schema: pa.Schema, bucket_of: dict[str, int],
                       cols: list[str] | None) -> pl.DataFrame:
     """Rows of the users of `bucket_of` from these local (path, bucket) files, as `_read_users`' pyarrow
     path returns them (the table's schema, `cols` in order), read by polars' Parquet scan: it prunes row
@@ -941,14 +940,14 @@ def _scan_users_local(files: list[tuple[str, str | int]], schema: pa.Schema, buc
     wanted = list(full) if cols is None else list(cols)
     users_of: dict[int, list[str]] = {}
     for u, b in bucket_of.items():
-        users_of.setdefault(int(b), []).append(u)
+        users_of.setdefault(b, []).append(u)
     scans = []
     for path, b in files:
         lf = pl.scan_parquet(path, schema=in_files, missing_columns="insert", extra_columns="ignore",
                              hive_partitioning=False, glob=False)
-        lf = lf.filter(pl.col(KEY).is_in(users_of.get(int(b), [])))
+        lf = lf.filter(pl.col(KEY).is_in(users_of.get(b, [])))
         if BUCKET in wanted:
-            lf = lf.with_columns(pl.lit(int(b), dtype=full[BUCKET]).alias(BUCKET))
+            lf = lf.with_columns(pl.lit(b, dtype=full[BUCKET]).alias(BUCKET))
         scans.append(lf.select(wanted))
     return pl.concat(pl.collect_all(scans), how="vertical", rechunk=False)
 
