@@ -4,6 +4,7 @@ warehouse the forget cannot reach fails it loudly (and a rerun completes it), an
 keyed digests that confirm nothing without the deployment's secret."""
 
 import hashlib
+import hmac
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from qumem_pipeline.storage.audit import audit_data_root
 from qumem_pipeline.storage.forget import StoreUnreachable, forget_user, record_warehouse
 from qumem_pipeline.storage.table_store import TableStore
-from qumem_pipeline.storage.tombstones import REGISTRY_TABLE, TombstoneKeyMissing, tombstone_keys
+from qumem_pipeline.storage.tombstones import REGISTRY_TABLE, TombstoneKeyMissing, TombstoneKeyOrphaned, tombstone_keys
 from qumem_pipeline.storage.warehouse import Warehouse
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -237,9 +238,13 @@ def test_tombstones_are_keyed_digests(tmp_path, monkeypatch):
     monkeypatch.setenv("QUMEM_TOMBSTONE_KEY", "new-secret")
     monkeypatch.setenv("QUMEM_TOMBSTONE_OLD_KEYS", "test-secret")
     assert TableStore(root).tombstones().forgotten_among(["alice"]) == {"alice"}
-    # without the old key, nothing matches: the table alone confirms no id
+    # without the old key, the table alone confirms no id; and the registry refuses to be read (the
+    # tombstone would match no one: tests/test_tombstone_keys.py)
     monkeypatch.delenv("QUMEM_TOMBSTONE_OLD_KEYS")
-    assert TableStore(root).tombstones().forgotten_among(["alice"]) == set()
+    digest = hmac.new(b"new-secret", b"alice", hashlib.sha256).hexdigest()
+    assert digest not in digests
+    with pytest.raises(TombstoneKeyOrphaned, match="QUMEM_TOMBSTONE_OLD_KEYS"):
+        TableStore(root).tombstones().forgotten_among(["alice"])
     monkeypatch.delenv("QUMEM_TOMBSTONE_KEY")
     monkeypatch.setenv("QUMEM_ENV", "production")
     with pytest.raises(TombstoneKeyMissing, match="QUMEM_TOMBSTONE_KEY"):

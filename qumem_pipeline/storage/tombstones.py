@@ -8,8 +8,17 @@ generated once under `<root>/_secrets/tombstone.key` (mode 0600; fine on one mac
 shared store). Rotation: set the new secret in `QUMEM_TOMBSTONE_KEY` and list the old ones in
 `QUMEM_TOMBSTONE_OLD_KEYS` (comma-separated): new tombstones use the new key, lookups try every
 key (each row records its key's id, a digest of the key, so a lookup computes one HMAC per key in
-use). An old key may be retired only once no tombstone made with it must hold any more; rows of
-the pre-HMAC registry (key id NULL: plain sha256) still match.
+use). A local root's generated key, when its file exists, is always held too: setting
+`QUMEM_TOMBSTONE_KEY` later carries it instead of orphaning the tombstones made with it.
+
+Why a process refuses to run without every key in use (`TombstoneKeyOrphaned`): a tombstone whose
+key is not held matches no one, so its user would silently come back on the next ingest. A key id
+that some forgotten (or erased) tombstone names must be held, or every registry read raises one
+line naming the id and `QUMEM_TOMBSTONE_OLD_KEYS`. A digest cannot be turned back into an id, so a
+tombstone is never re-keyed: an old key is kept for as long as a tombstone made with it holds.
+An event about a user (readmit, erased, forget) is also written under every held old key whose
+tombstone of the user holds, so a readmit after a rotation is not outvoted by the old key's forget.
+Rows of the pre-HMAC registry (key id NULL: plain sha256) need no key and still match.
 
 Why one row per event (append, never read-modify-write): concurrent forgets from many hosts all
 land (Delta appends do not conflict). A user's state is its latest event (forget / erased / readmit).
@@ -45,12 +54,26 @@ class TombstoneKeyMissing(RuntimeError):
     """Production (or a shared object store) without a tombstone secret."""
 
 
-def _key_id(secret: bytes) -> str:
+class TombstoneKeyOrphaned(TombstoneKeyMissing):
+    """The registry holds tombstones made with a key this process does not hold."""
+
+
+def key_id(secret: bytes) -> str:
+    """The id a tombstone row records for its key: a domain-separated digest, never the key."""
     return hashlib.sha256(b"qumem-tombstone-key:" + secret).hexdigest()[:12]
 
 
+_key_id = key_id
+
+
+def _local_key_path(root: str) -> Path | None:
+    if "://" in root and not root.startswith("file://"):
+        return None
+    return Path(root.removeprefix("file://")) / "_secrets" / "tombstone.key"
+
+
 def _local_key(root: str) -> bytes:
-    path = Path(root) / "_secrets" / "tombstone.key"
+    path = _local_key_path(root)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -79,7 +102,10 @@ def tombstone_keys(root: str) -> list[bytes]:
     else:
         keys = [current.encode()]
     keys += [k.strip().encode() for k in os.environ.get(OLD_KEYS_ENV, "").split(",") if k.strip()]
-    return keys
+    local = _local_key_path(root)
+    if current and local is not None and local.exists():  # carried: the key before QUMEM_TOMBSTONE_KEY
+        keys.append(local.read_text().strip().encode())
+    return list(dict.fromkeys(keys))
 
 
 # (root, registry table id, its version) -> (forgotten, erased) digests by key id, parsed once per process
@@ -123,6 +149,7 @@ class Tombstones:
                 return version
             cached = _PARSED.get((self.store.root, *ident)) if ident is not None else None
             if cached is not None:
+                self._check_keys(cached[0])  # before the sets are taken: a refused read stays refused
                 self._forgotten, self._erased, self._ident = *cached, ident
                 return version
             df = self.store.read(REGISTRY_TABLE, [REGISTRY_KEY])
@@ -141,13 +168,28 @@ class Tombstones:
                         forgotten.setdefault(kid, set()).add(dig)
                     if action == ERASED:
                         erased.setdefault(kid, set()).add(dig)
-            self._forgotten, self._erased, self._ident = forgotten, erased, ident
             if ident is not None:  # a version's rows never change: its sets are shared, read-only
                 with _PARSED_LOCK:
                     if len(_PARSED) >= _PARSED_MAX:
                         _PARSED.pop(next(iter(_PARSED)))
                     _PARSED[(self.store.root, *ident)] = (forgotten, erased)
+            self._check_keys(forgotten)
+            self._forgotten, self._erased, self._ident = forgotten, erased, ident
             return version
+
+    def _check_keys(self, forgotten: dict[str, set[str]]) -> None:
+        """Raise `TombstoneKeyOrphaned` when a holding tombstone's key is not among ours (module docstring)."""
+        used = {k for k, d in forgotten.items() if d and k != LEGACY_KEY_ID}
+        if not used:
+            return
+        missing = sorted(used - {key_id(k) for k in self.keys})
+        if missing:
+            raise TombstoneKeyOrphaned(
+                f"the forget registry {self.store.root}/{REGISTRY_TABLE} holds tombstones made with tombstone key "
+                f"id(s) {', '.join(missing)}, which this process does not hold (it holds "
+                f"{', '.join(key_id(k) for k in self.keys)}): running now would let those forgotten users back in; "
+                f"supply the old secret(s) in {OLD_KEYS_ENV} (comma-separated, beside {KEY_ENV}; a key's id is "
+                f"sha256('qumem-tombstone-key:' + key)[:12]; docs/erasure.md)")
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._forgotten.values())
@@ -191,13 +233,20 @@ class Tombstones:
         return user_id is not None and bool(self.forgotten_among([user_id]))
 
     def record(self, user_ids: list[str], action: str = FORGET) -> None:
-        """Append one row per user (no read-modify-write: concurrent forgets all land)."""
+        """Append one row per user under the current key, plus one under each held old key whose
+        tombstone of the user holds (module docstring); no read-modify-write: concurrent forgets all
+        land. Refused (`TombstoneKeyOrphaned`) while a key in use is not held."""
         rows = []
         now = datetime.now(timezone.utc)
+        self.refresh()
         ident = self.store.identity(REGISTRY_TABLE)
         seq = 0 if ident is None else ident[1] + 1  # after every event this host has seen (SCHEMA)
         for u in user_ids:
             kid, dig = self.digest(u)
             rows.append({"digest": dig, "key_id": kid, "action": action, "at": now, "seq": seq})
+            for key in self.keys[1:]:
+                okid, odig = self.digest(u, key)
+                if okid != kid and odig in self._forgotten.get(okid, ()):
+                    rows.append({"digest": odig, "key_id": okid, "action": action, "at": now, "seq": seq})
         df = pl.DataFrame(rows, schema=SCHEMA).with_columns(pl.lit(REGISTRY_KEY).alias("_owner"))
         self.store.append(REGISTRY_TABLE, df, key_column="_owner", guarded=False)
