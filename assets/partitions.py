@@ -121,6 +121,27 @@ def register_users(instance: dg.DagsterInstance, users: list[str], pipeline=None
     return new
 
 
+def register_unforgotten(instance: dg.DagsterInstance, new: list[str], pipeline, fingerprints=None, known=None,
+                         planned=()) -> set[str]:
+    """Register `new` (as `register_users`), THEN read the forget registry afresh: returns which of
+    `new` and `planned` are forgotten, and in the `users` scheme deletes again the partitions this
+    call added for them. Why this order: a forget appends its tombstone before it unregisters the
+    partition, so either the forget's unregister comes after this add (and removes it), or this
+    re-read sees the tombstone; a tick that checked before adding could re-add a forgotten id after
+    the forget scrubbed the instance. Planned users forgotten meanwhile are for the caller to drop
+    from its runs. (The `user_buckets` registry is a guarded table: its commit drops them itself.)"""
+    added = register_users(instance, new, pipeline, fingerprints, known=known)
+    forgotten = pipeline.forgotten() if pipeline is not None and hasattr(pipeline, "forgotten") else None
+    if forgotten is None or not len(forgotten):
+        return set()
+    gone = forgotten.among(sorted(set(new) | set(planned)))
+    if SCHEME == "users":
+        for u in added:
+            if u in gone:  # only partitions this call added: no run over them is in flight yet
+                instance.delete_dynamic_partition(USER_REGISTRY, u)
+    return gone
+
+
 _IN_CHUNK = 1000
 
 

@@ -17,7 +17,7 @@ import os
 
 import dagster as dg
 
-from assets.partitions import USERS_PER_RUN, register_users
+from assets.partitions import USERS_PER_RUN, register_unforgotten, register_users  # noqa: F401
 from assets.planning import TURNS_KEY, latest_ids, live_users, pack_runs, plan_users, recorded_fingerprints, recorded_state  # noqa: F401
 from qumem_pipeline.ingest.discovery import discover
 from resources import PipelineConfig
@@ -60,12 +60,16 @@ def build_nightly_schedule(
         )
         if not plan.to_rebuild:
             return dg.SkipReason(f"all {len(plan.unchanged)} users unchanged since their last materialization")
-        # Schedules cannot return partition requests; adding them here is what the daemon would do.
-        register_users(context.instance, plan.new, pipeline, found.fingerprints, known=())
-        order = planned.order  # dynamic partitions keep insertion order (`users` scheme)
+        # Schedules cannot return partition requests; registered here, then checked against the forget
+        # registry so no tick re-adds a forgotten id (assets/partitions.register_unforgotten)
+        gone = register_unforgotten(context.instance, plan.new, pipeline, found.fingerprints, known=(),
+                                    planned=plan.to_rebuild)
+        order = [u for u in planned.order if u not in gone]  # dynamic partitions keep insertion order (`users`)
+        if not plan.to_rebuild - gone:
+            return dg.SkipReason(f"every user to rebuild ({len(gone)}) was forgotten during the tick")
         tick = context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else "manual"
         return [run.run_request(f"{tick}:{run.label}",
                                 {"qumem/nightly_users": str(len(run.users))})
-                for run in pack_runs(context.instance, order, plan.to_rebuild, users_per_run, pipeline=pipeline)]
+                for run in pack_runs(context.instance, order, plan.to_rebuild - gone, users_per_run, pipeline=pipeline)]
 
     return _nightly

@@ -1,5 +1,6 @@
-"""Discovery sensor: registers users found in the archive (the daemon adds them as dynamic partitions
-in the `users` scheme; the tick appends them to the data root's `user_registry` in `user_buckets`)
+"""Discovery sensor: registers users found in the archive (the tick adds them as dynamic partitions
+in the `users` scheme, then re-reads the forget registry; it appends them to the data root's
+`user_registry` in `user_buckets`)
 and requests range runs for new or changed ones, and for registered users that left it (emptied downstream), at most
 QUMEM_USERS_PER_RUN users per run, packed as the nightly schedule packs them.
 
@@ -16,7 +17,7 @@ import hashlib
 
 import dagster as dg
 
-from assets.partitions import SCHEME, USER_REGISTRY, USERS_PER_RUN, register_users
+from assets.partitions import SCHEME, USER_REGISTRY, USERS_PER_RUN, register_unforgotten, register_users  # noqa: F401
 from assets.planning import TURNS_KEY, pack_runs, plan_users  # noqa: F401
 from qumem_pipeline.ingest.discovery import discover
 from resources import PipelineConfig
@@ -66,9 +67,12 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
         # New or changed content only: finishing interrupted runs is the nightly schedule's job.
         planned = plan_users(context.instance, pipeline, found.fingerprints, None)
         plan, recorded = planned.plan, planned.recorded
-        if SCHEME == "user_buckets":  # the registry is the data root's table: registered here, not by the daemon
-            register_users(context.instance, plan.new, pipeline, found.fingerprints, known=())
-        runs = pack_runs(context.instance, planned.order, plan.to_rebuild, users_per_run, pipeline=pipeline)
+        # registered by the tick itself in both schemes (not by the daemon after it), then checked against
+        # the forget registry: no tick re-adds a forgotten id (assets/partitions.register_unforgotten)
+        gone = register_unforgotten(context.instance, plan.new, pipeline, found.fingerprints, known=(),
+                                    planned=plan.to_rebuild)
+        order = [u for u in planned.order if u not in gone] if gone else planned.order
+        runs = pack_runs(context.instance, order, plan.to_rebuild - gone, users_per_run, pipeline=pipeline)
         requests = []
         for run in runs:
             # a user that left the archive has no fingerprint: "gone" + the content it left with
@@ -77,12 +81,9 @@ def build_discovery_sensor(job_name: str = MAIN_JOB_NAME, users_per_run: int = U
             requests.append(run.run_request(f"{run.first_key}..{run.last_key}:{content[:24]}",
                                             {"qumem/discovered_users": str(len(run.users))}))
         context.log.info(f"{len(found.fingerprints)} users: {len(plan.new)} new, {len(plan.changed)} changed, "
-                         f"{len(plan.removed)} left the archive, {len(requests)} runs requested")
-        return dg.SensorResult(
-            run_requests=requests,
-            dynamic_partitions_requests=[registry.build_add_request(plan.new)] if plan.new and SCHEME == "users" else [],
-            cursor=cursor,
-        )
+                         f"{len(plan.removed)} left the archive, {len(gone)} forgotten meanwhile, "
+                         f"{len(requests)} runs requested")
+        return dg.SensorResult(run_requests=requests, cursor=cursor)
 
     return _sensor
 

@@ -70,6 +70,13 @@ class ForgetRegistry:
             return True
         return bool(self.tombstones.forgotten_among([user_id], refresh=False))
 
+    def among(self, user_ids) -> set[str]:
+        """Which of `user_ids` are forgotten (one registry read for all)."""
+        out = self.tombstones.forgotten_among(user_ids)
+        if self._legacy:
+            out |= {u for u in user_ids if u is not None and _digest(u) in self._legacy}
+        return out
+
     def add(self, user_id: str) -> None:
         validate_user_id(user_id)
         self.tombstones.record([user_id])
