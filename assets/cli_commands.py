@@ -1,4 +1,4 @@
-"""The `qumem` commands that run Dagster: run, ingest, forget, export, users, show.
+"""The `qumem` commands that run Dagster: run, ingest, forget, export, users, show, personalize.
 
 `run` and `ingest` log through the CLI logger (short lines on the terminal, every record with its
 traceback in <DAGSTER_HOME>/logs/qumem-<job>-<time>-<pid>.log), print a summary of what was made
@@ -6,7 +6,8 @@ traceback in <DAGSTER_HOME>/logs/qumem-<job>-<time>-<pid>.log), print a summary 
 run fails, one line naming the failed step or check and its figures, then exit 1.
 
 `qumem_pipeline.cli` parses the arguments and calls `run_command` lazily, so the domain core never
-imports Dagster. Pipeline commands are in-process Dagster runs against the instance in
+imports Dagster. This module builds the Definitions (`assets.definitions`); nothing in the Dagster
+layer imports it back (tests/test_architecture.py), so the two never form an import circle. Pipeline commands are in-process Dagster runs against the instance in
 $DAGSTER_HOME (default ./.dagster_home), so `dagster dev` pointed at the same home shows every run
 the CLI made.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from qumem_pipeline.cli import install_instance_config
+from qumem_pipeline.runtime.instance_config import install_instance_config
 
 
 def _instance():
@@ -419,6 +420,43 @@ def cmd_users(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_personalize(args) -> int:
+    """`qumem personalize --queries PATH_OR_URI [--batch-id ID]`: run `personalize_job` in-process."""
+    from assets.personalize import run_config
+    from assets.recovery import launch_tags
+
+    queries = args.queries if "://" in args.queries else str(Path(args.queries).resolve())
+    instance = _instance()
+    t0 = time.perf_counter()
+    result = _defs().resolve_job_def("personalize_job").execute_in_process(
+        instance=instance, run_config=run_config(queries, args.batch_id, args.query_format, args.chunk_rows),
+        tags=launch_tags(), raise_on_error=False)
+    wall = time.perf_counter() - t0
+    if not result.success:
+        errs = [e.step_failure_data.error for e in result.all_events if e.is_step_failure]
+        first = errs[0] if errs else None
+        while first is not None and getattr(first, "cause", None) is not None and not (first.message or "").strip():
+            first = first.cause
+        line = ((first.message if first else "") or "").strip().splitlines()
+        print(f"qumem: personalize_job FAILED: {line[0] if line else 'see the Dagster run ' + result.run_id}",
+              file=sys.stderr)
+        return 1
+    report = result.output_for_node("export_personalization_op")
+    print(f"batch {report['batch_id']} ({report['format']}, {report['rows']} rows, {report['chunks']} chunks, "
+          f"strategy {report['strategy']})")
+    for label, key in (("answered", "answered"), ("already done (earlier run)", "already_done"),
+                       ("quarantined: bad input rows", "quarantined_input"),
+                       ("quarantined: users without memories", "quarantined_user"),
+                       ("quarantined: unusable LLM output", "quarantined_llm"), ("LLM calls", "llm_calls"),
+                       ("LLM calls sent", "llm_calls_sent"), ("LLM calls replayed", "llm_calls_replayed")):
+        print(f"  {label:<36}{report[key]}")
+    print(f"  tables: personalization, personalization_quarantine, personalization_llm_ledger; warehouse rows "
+          f"{report['warehouse_rows']}; run {result.run_id}; {wall:.1f}s")
+    if args.json:
+        print(json.dumps({**report, "run_id": result.run_id, "wall_s": round(wall, 3)}, default=str))
+    return 0
+
+
 COMMANDS = {
     "run": lambda a: cmd_pipeline(a, "main_job"),
     "ingest": lambda a: cmd_pipeline(a, "ingest_job"),
@@ -426,9 +464,8 @@ COMMANDS = {
     "export": cmd_export,
     "users": cmd_users,
     "show": cmd_show,
+    "personalize": cmd_personalize,
 }
-# `qumem personalize`: its code lives with its job (assets/personalize.py)
-COMMANDS["personalize"] = lambda a: __import__("assets.personalize", fromlist=["cmd_personalize"]).cmd_personalize(a)
 
 
 def run_command(name: str, args: argparse.Namespace) -> int:

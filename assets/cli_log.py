@@ -4,7 +4,7 @@ Dagster's default console logger prints every engine event (DEBUG) and each fail
 stack trace. `qumem run` instead prints `HH:MM:SS step: message` for the steps' own messages at INFO
 and above (the stages' progress lines, warnings, errors, each cut to its first line) and writes every
 record in Dagster's full format, engine events and tracebacks included, to `log_file`; the CLI ends a
-failed run with one line of its own (assets/commands.py). Used only by the CLI
+failed run with one line of its own (assets/cli_commands.py). Used only by the CLI
 (`JobDefinition.with_logger_defs`); runs launched by the UI or the daemon keep Dagster's loggers.
 """
 

@@ -6,14 +6,10 @@ A batch of queries (JSONL, Parquet or a Delta table, local or `s3://`) answered 
 current memories with the deployment's strategy (`QUMEM_QUERY_STRATEGY`), stage-batched, streamed in
 chunks, every LLM call checkpointed, written to the `personalization` tables keyed by (batch_id,
 query_id) (`qumem_pipeline/query/personalize.py`), then loaded into the warehouse by batch. `qumem
-personalize --queries PATH_OR_URI [--batch-id ID]` runs this job (`cmd_personalize`).
+personalize --queries PATH_OR_URI [--batch-id ID]` runs this job (`assets/cli_commands.py`).
 """
 
-import json
 import os
-import sys
-import time
-from pathlib import Path
 
 import dagster as dg
 
@@ -73,9 +69,9 @@ def personalize_job():
     export_personalization_op(personalize_op())
 
 
-# -- `qumem personalize` ------------------------------------------------------------------------------
 def run_config(queries: str, batch_id: str | None = None, fmt: str | None = None,
                chunk_rows: int | None = None) -> dict:
+    """The job's run config for one batch (`qumem personalize`, assets/cli_commands.py)."""
     cfg: dict = {"queries": queries}
     if batch_id:
         cfg["batch_id"] = batch_id
@@ -84,40 +80,3 @@ def run_config(queries: str, batch_id: str | None = None, fmt: str | None = None
     if chunk_rows:
         cfg["chunk_rows"] = chunk_rows
     return {"ops": {"personalize_op": {"config": cfg}}}
-
-
-def cmd_personalize(args) -> int:
-    """`qumem personalize --queries PATH_OR_URI [--batch-id ID]`: run `personalize_job` in-process."""
-    from assets.commands import _defs, _instance
-    from assets.recovery import launch_tags
-
-    queries = args.queries if "://" in args.queries else str(Path(args.queries).resolve())
-    instance = _instance()
-    t0 = time.perf_counter()
-    result = _defs().resolve_job_def("personalize_job").execute_in_process(
-        instance=instance, run_config=run_config(queries, args.batch_id, args.query_format, args.chunk_rows),
-        tags=launch_tags(), raise_on_error=False)
-    wall = time.perf_counter() - t0
-    if not result.success:
-        errs = [e.step_failure_data.error for e in result.all_events if e.is_step_failure]
-        first = errs[0] if errs else None
-        while first is not None and getattr(first, "cause", None) is not None and not (first.message or "").strip():
-            first = first.cause
-        line = ((first.message if first else "") or "").strip().splitlines()
-        print(f"qumem: personalize_job FAILED: {line[0] if line else 'see the Dagster run ' + result.run_id}",
-              file=sys.stderr)
-        return 1
-    report = result.output_for_node("export_personalization_op")
-    print(f"batch {report['batch_id']} ({report['format']}, {report['rows']} rows, {report['chunks']} chunks, "
-          f"strategy {report['strategy']})")
-    for label, key in (("answered", "answered"), ("already done (earlier run)", "already_done"),
-                       ("quarantined: bad input rows", "quarantined_input"),
-                       ("quarantined: users without memories", "quarantined_user"),
-                       ("quarantined: unusable LLM output", "quarantined_llm"), ("LLM calls", "llm_calls"),
-                       ("LLM calls sent", "llm_calls_sent"), ("LLM calls replayed", "llm_calls_replayed")):
-        print(f"  {label:<36}{report[key]}")
-    print(f"  tables: personalization, personalization_quarantine, personalization_llm_ledger; warehouse rows "
-          f"{report['warehouse_rows']}; run {result.run_id}; {wall:.1f}s")
-    if args.json:
-        print(json.dumps({**report, "run_id": result.run_id, "wall_s": round(wall, 3)}, default=str))
-    return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from qumem_pipeline.cli import install_instance_config
+from qumem_pipeline.runtime.instance_config import install_instance_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import dagster as dg  # noqa: E402
 
-from qumem_pipeline.cli import install_instance_config  # noqa: E402
+from qumem_pipeline.runtime.instance_config import install_instance_config  # noqa: E402
 
 
 def _connect(dbname: str):

@@ -29,7 +29,7 @@ Scenarios:
   and has a later file with new turns (and a second canary) for every user. Then, each counted:
   `resurrected_users` (forgotten users with a row in any Delta or warehouse table, or a canary anywhere
   the audit looks), `tombstones_lost` (forgets that exited 0 whose tombstone the registry does not
-  hold), `residue_objects` (objects the audit `qumem forget --verify` runs, `assets.commands.audit_erasure`,
+  hold), `residue_objects` (objects the audit `qumem forget --verify` runs, `assets.cli_commands.audit_erasure`,
   finds naming a forgotten id or canary: data root objects, warehouse tables and files, instance tables,
   files under DAGSTER_HOME), `rows_lost` (rows of the kept users, every Delta and warehouse table,
   missing against the clean sequential reference: the same archive, the same two passes, no forget)
@@ -309,7 +309,7 @@ def bad_rows_scenario(work: Path) -> dict:
 ERASE_TOPICS = TOPICS[:2], TOPICS[2:]  # phase 1 conversations, the later file's (new turns for every user)
 SUBSET_RUN = """
 import sys
-from assets.commands import _defs, _instance, register_users, run_job
+from assets.cli_commands import _defs, _instance, register_users, run_job
 job, per_run, subset = sys.argv[1], int(sys.argv[2]), set(sys.argv[3].split(","))
 instance, defs = _instance(), _defs()
 users = [u for u in register_users(instance, defs) if u in subset]
@@ -319,7 +319,7 @@ if users:
 """
 MEASURE = """
 import json, sys
-from assets.commands import _defs, _instance, audit_erasure
+from assets.cli_commands import _defs, _instance, audit_erasure
 from qumem_pipeline.storage.forget import warehouse_locations
 from qumem_pipeline.storage.table_store import TableStore
 from qumem_pipeline.storage.warehouse import Warehouse

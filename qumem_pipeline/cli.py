@@ -1,28 +1,18 @@
 """`qumem`: the command line. Argument parsing lives here; the commands that run Dagster (run,
-ingest, forget, export, users, show) live in the Dagster layer (`assets/commands.py`) and are imported
-only when one of them runs, so the domain core never imports Dagster. They are in-process Dagster
+ingest, forget, export, users, show, personalize) live in the Dagster layer (`assets/cli_commands.py`,
+which nothing in the Dagster layer imports back) and are imported only when one of them runs, so the
+domain core never imports Dagster. They are in-process Dagster
 runs against the instance in $DAGSTER_HOME (default ./.dagster_home), so `dagster dev` pointed at
 the same home shows every run the CLI made.
 """
 
 import argparse
 import json
-import hashlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# sha256 of every dagster.yaml this repository has shipped. A home holding one of them unedited is
-# brought up to the current one (e.g. to get the batched event log); an edited one is left alone.
-# tests/test_cli_instance_config.py fails until the current file's hash is added here.
-SHIPPED_INSTANCE_CONFIGS = frozenset({
-    "fc1c66bfedc1c7924385f3865548688c34e29c057a6171efb3a28beff6189f80",
-    "279f952775f4578dc68dbb2e60376885bb43f843059164766bacc073e57b78e5",
-    "17298d347a3568a747e86de24ff4cd4cf99485d67633b8c7ebd17bd8a7da2a9c",
-    "695e917c4c8b0293eb4edd8502ce205e431cf66c271522690d6b6c3eae167a20",
-})
 
 
 def _apply_common(args: argparse.Namespace) -> None:
@@ -38,38 +28,12 @@ def _apply_common(args: argparse.Namespace) -> None:
         os.environ["QUMEM_USERS_PER_RUN"] = str(args.users_per_run)
 
 
-def install_instance_config(cfg: Path, source: Path = REPO_ROOT / "dagster.yaml") -> str:
-    """Put the repository's dagster.yaml at `cfg` unless the operator has made their own.
-
-    Returns "new", "upgraded" (an unedited older shipped copy was replaced), "current" or "edited"
-    (left as is, with a note on stderr), or "none" when the repository has no dagster.yaml."""
-    if not source.exists():
-        return "none"
-    want = source.read_bytes()
-    existed = cfg.exists()
-    if existed:
-        have = cfg.read_bytes()
-        if have == want:
-            return "current"
-        if hashlib.sha256(have).hexdigest() not in SHIPPED_INSTANCE_CONFIGS:
-            print(f"qumem: {cfg} differs from {source} and is not a copy qumem installed; left as is",
-                  file=sys.stderr)
-            return "edited"
-    tmp = cfg.with_name(f".dagster.yaml.tmp-{os.getpid()}")
-    shutil.copy(source, tmp)
-    os.replace(tmp, cfg)
-    if existed:
-        print(f"qumem: {cfg} was an unedited older copy of {source}; replaced with the current one",
-              file=sys.stderr)
-    return "upgraded" if existed else "new"
-
-
 def _dagster_command(name: str):
     """A command that runs Dagster: its code lives in the Dagster layer, imported only when it runs."""
 
     def call(args: argparse.Namespace) -> int:
         _apply_common(args)
-        from assets.commands import run_command
+        from assets.cli_commands import run_command
 
         return run_command(name, args)
 
@@ -163,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp, archive=False)
     sp.set_defaults(func=_dagster_command("show"))
 
-    # -- personalize: its own block (the command lives with its job, assets/personalize.py)
+    # -- personalize: runs personalize_job (assets/personalize.py) from assets/cli_commands.py
     sp = sub.add_parser("personalize", help="answer a batch of queries from the current memories (personalize_job)")
     sp.add_argument("--queries", required=True,
                     help="JSONL or Parquet file, directory of Parquet files or Delta table; local or s3://, gs://, az://")

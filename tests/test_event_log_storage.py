@@ -9,7 +9,7 @@ import dagster as dg
 import pytest
 
 from assets.partitions import user_backfill_policy, users_partitions
-from qumem_pipeline.cli import install_instance_config
+from qumem_pipeline.runtime.instance_config import install_instance_config
 from resources.event_log import BATCH_SIZE_ENV, BatchedSqliteEventLogStorage
 from tests.conftest import local_instance
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from qumem_pipeline.cli import install_instance_config
+from qumem_pipeline.runtime.instance_config import install_instance_config
 from tests.conftest import REPO_ROOT
 
 PG_VARS = ("DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_USER", "DAGSTER_PG_PASSWORD", "DAGSTER_PG_DB")

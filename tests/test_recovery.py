@@ -18,7 +18,7 @@ import pytest
 from dagster._core.test_utils import create_run_for_test
 
 from assets.recovery import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, fail_dead_runs, gone_reason, launch_tags
-from qumem_pipeline.cli import install_instance_config
+from qumem_pipeline.runtime.instance_config import install_instance_config
 from tests.conftest import REPO_ROOT
 from tests.test_postgres_instance import scratch_database  # noqa: F401  (fixture)
 

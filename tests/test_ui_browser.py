@@ -18,7 +18,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from qumem_pipeline.cli import install_instance_config
+from qumem_pipeline.runtime.instance_config import install_instance_config
 from qumem_pipeline.runtime.processes import free_port, stop_process_group
 from tests.browser_harness import CHROMIUM, headless_page
 from tests.conftest import REPO_ROOT, conversation, write_jsonl

@@ -488,7 +488,7 @@ class LocalBackend(BackendBase):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from qumem_pipeline.llm import model_store
+        import qumem_pipeline.llm.model_store as model_store
 
         if model_dir is None:
             model_dir = os.environ.get("QUMEM_LLM_MODEL_DIR") or model_store.ensure_model_dir(allow_download=allow_download)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from qumem_pipeline.episodes.continuity.decoding import rule_of as classifier_rule
-from qumem_pipeline.eval.segmentation import baselines as bl
+import qumem_pipeline.eval.segmentation.baselines as bl
 from qumem_pipeline.episodes.metrics import Scores, evaluate
 from qumem_pipeline.episodes.dialogues import FORMATS, Dialogue, read_dialogues
 
