@@ -2,7 +2,7 @@
 
 `run` and `ingest` log through the CLI logger (short lines on the terminal, every record with its
 traceback in <DAGSTER_HOME>/logs/qumem-<job>-<time>-<pid>.log), print a summary of what was made
-(`qumem_pipeline.runtime.summary`, also written as JSON to <data-root>/run_summary.json) and, when a
+(`qumem_pipeline.summary`, also written as JSON to <data-root>/run_summary.json) and, when a
 run fails, one line naming the failed step or check and its figures, then exit 1.
 
 `qumem_pipeline.cli` parses the arguments and calls `run_command` lazily, so the domain core never
@@ -242,8 +242,8 @@ def _summary_json_path(pipeline) -> Path:
 
 def build_summary(instance, defs, users: list[str], run_ids: list[str], started: datetime, wall_s: float,
                   log_file: Path | None) -> dict:
-    """The end-of-run summary (`qumem_pipeline.runtime.summary`) plus what the orchestrator knows."""
-    from qumem_pipeline.runtime.summary import collect
+    """The end-of-run summary (`qumem_pipeline.summary`) plus what the orchestrator knows."""
+    from qumem_pipeline.summary import collect
 
     pipeline = defs.resources["pipeline"]
     wh = pipeline.warehouse()
@@ -310,7 +310,7 @@ def cmd_pipeline(args: argparse.Namespace, job_name: str) -> int:
     except Exception as exc:  # noqa: BLE001 - any failure: one line here, the traceback in the log
         first = (str(exc).strip().splitlines() or [""])[0]
         return _fail(job_name, f"{type(exc).__name__}: {first}", log_file, exc)
-    from qumem_pipeline.runtime.summary import render_summary
+    from qumem_pipeline.summary import render_summary
 
     render_summary(summary, _console())
     if args.json:
@@ -334,7 +334,7 @@ def _valid_user_id(user_id: str) -> bool:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """`qumem show USER_ID`: the user's episodes, memories and query states from the warehouse."""
-    from qumem_pipeline.runtime.summary import render_user, user_view
+    from qumem_pipeline.summary import render_user, user_view
 
     if not _valid_user_id(args.user_id):
         return 2

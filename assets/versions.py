@@ -1,11 +1,12 @@
 """Each asset's Dagster code version and the version metadata its materializations record.
 
-The versions come from `qumem_pipeline.contracts.stage_versions` (source hashes of the stage's
-modules, its model/prompt inputs and its upstream stages), the same strings every output row of
-the stage carries in `code_version`; the git commit is recorded beside them, never part of them.
+The versions come from `qumem_pipeline.code_versions` (every stage's declaration, hashed by
+`qumem_pipeline.contracts.stage_versions`: source hashes of the stage's modules, its model/prompt
+inputs and its upstream stages), the same strings every output row of the stage carries in
+`code_version`; the git commit is recorded beside them, never part of them.
 """
 
-from qumem_pipeline.contracts.stage_versions import git_commit, stage_version
+from qumem_pipeline.code_versions import git_commit, stage_version
 
 
 def code_version(stage: str) -> str:

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
     from qumem_pipeline.episodes.segmentation import build_episodes_for_users
-    from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.embedding.minilm import Embedder
     from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive
 
     turns = load_archive(ArchiveConfig(args.archive)).turns

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests import lora_reference as ref  # noqa: E402
-from qumem_pipeline.episodes.continuity.base import load_base_model, load_tokenizer
+from qumem_pipeline.embedding.base_model import load_base_model, load_tokenizer
 from qumem_pipeline.episodes.continuity.data import dialogue_pairs, load_tiage
 from qumem_pipeline.episodes.continuity.inference import ADAPTER_FILE, DEFAULT_ARTIFACT_DIR, prepare_batches
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig

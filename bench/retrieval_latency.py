@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     if args.fake_embedder:
         emb = FakeEmbedder()
     else:
-        from qumem_pipeline.index.embeddings import Embedder
+        from qumem_pipeline.embedding.minilm import Embedder
 
         emb = Embedder.load(device=args.device)
 

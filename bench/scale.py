@@ -471,7 +471,7 @@ def model_bound(archive: Path, device: str | None, batch_pairs: int = 64, batch_
 
     from qumem_pipeline.runtime.batching import length_buckets, pad_batch
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
-    from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.embedding.minilm import Embedder
     from qumem_pipeline.ingest.archive import ArchiveConfig, load_archive
 
     tdf = load_archive(ArchiveConfig(path=str(archive))).turns

@@ -29,7 +29,7 @@ def digest() -> dict:
         from qumem_pipeline.query.strategies.qumem import infer_user_states
         from qumem_pipeline.query.strategies.adamem.strategy import AdaMemRetriever
         from qumem_pipeline.query.strategies.adamem.retriever import UserBundle
-    from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.embedding.minilm import Embedder
     Query = T.Query
 
     class Rec(T.ScriptedLLM):

@@ -34,7 +34,7 @@ def _classifier(artifact_dir: str, device: str):
 
 
 def _embedder(device: str):
-    from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.embedding.minilm import Embedder
 
     return _cached(("embedder", device), lambda: Embedder.load(device=device or None))
 

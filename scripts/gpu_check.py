@@ -52,7 +52,7 @@ def prepare_carry(dest: Path) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from qumem_pipeline.episodes.continuity.base import base_model_dir
+    from qumem_pipeline.embedding.base_model import base_model_dir
 
     src = Path(base_model_dir())
     model = dest / "model"

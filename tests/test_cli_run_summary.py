@@ -224,7 +224,7 @@ def test_a_long_llm_batch_still_reports_every_heartbeat(tmp_path):
 
 
 def test_the_quality_note_is_honest_about_the_embedded_model():
-    from qumem_pipeline.runtime.summary import quality_note
+    from qumem_pipeline.summary import quality_note
 
     note = quality_note([{"backend": "local", "model": "SmolLM2-135M-Instruct-Q4_1"}])
     assert "SmolLM2-135M" in note and "weak" in note

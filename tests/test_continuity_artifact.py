@@ -82,7 +82,7 @@ def test_base_hash_is_verified(tmp_path):
 
 
 def test_the_committed_rule_is_learned_with_block_features_and_a_derived_version(clf):
-    from qumem_pipeline.contracts.stage_versions import classifier_version
+    from qumem_pipeline.episodes.version import classifier_version
     from qumem_pipeline.episodes.continuity.decoding import artifact_version
 
     assert clf.rule.needs_similarity and clf.rule.needs_embeddings, clf.rule.describe()
@@ -130,7 +130,7 @@ def test_pair_cosine_is_the_base_minilm_cosine(clf):
 def test_precision_is_fp32_unless_bf16_is_asked_for_and_bf16_is_in_the_version(clf, monkeypatch):
     """A GPU host and a CPU host must cut the same episodes: fp32 on both unless bf16 is chosen, and a
     bf16 choice changes the version rows carry (so its episodes are never mistaken for fp32's)."""
-    from qumem_pipeline.contracts.stage_versions import classifier_version
+    from qumem_pipeline.episodes.version import classifier_version
     from qumem_pipeline.episodes.continuity.decoding import classifier_precision
 
     monkeypatch.delenv("QUMEM_CLASSIFIER_PRECISION", raising=False)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from qumem_pipeline.episodes.continuity import lora
-from qumem_pipeline.episodes.continuity.base import load_base_model, load_tokenizer
+from qumem_pipeline.embedding.base_model import load_base_model, load_tokenizer
 from qumem_pipeline.episodes.continuity.inference import ADAPTER_FILE, DEFAULT_ARTIFACT_DIR, prepare_batches
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig
 from tests import lora_reference as ref

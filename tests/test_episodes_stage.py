@@ -23,7 +23,7 @@ def test_episodes_asset_applies_the_learned_rule_with_block_features(tmp_path):
     from assets.episodes import episodes
     from qumem_pipeline.index.embeddings import Embedder
     from assets.ingest import turns
-    from qumem_pipeline.contracts.stage_versions import classifier_version
+    from qumem_pipeline.episodes.version import classifier_version
     from resources import PipelineConfig
     from resources.models import ContinuityClassifierResource
 

@@ -6,13 +6,15 @@ import json
 import shutil
 
 
-from qumem_pipeline.contracts import stage_versions
-from qumem_pipeline.contracts.stage_versions import DEFAULT_CLASSIFIER_DIR, downstream, stage_own_versions
+import qumem_pipeline.embedding.version as embedding_version
+from qumem_pipeline import code_versions
+from qumem_pipeline.code_versions import downstream, stage_own_versions
+from qumem_pipeline.episodes.version import DEFAULT_CLASSIFIER_DIR, classifier_version
 
 
 def _versions() -> tuple[dict, dict]:
     """(own, full) versions now: own = a stage's source and inputs; full = own + upstream (the asset's)."""
-    return stage_own_versions(), stage_versions.stage_code_versions()
+    return stage_own_versions(), code_versions.stage_code_versions()
 
 
 def _changed(before: tuple[dict, dict], after: tuple[dict, dict]) -> set[str]:
@@ -26,7 +28,7 @@ def test_assets_carry_the_stage_code_versions():
     from assets.definitions import ALL_ASSETS
 
     versions = {k.to_user_string(): v for a in ALL_ASSETS for k, v in a.code_versions_by_key.items()}
-    expected = stage_versions.stage_code_versions()
+    expected = code_versions.stage_code_versions()
     assert {k: versions[k] for k in expected} == expected
 
 
@@ -56,17 +58,17 @@ def test_a_decision_rule_change_alone_moves_the_classifier_version(tmp_path, mon
     retuned = tmp_path / "continuity"
     shutil.copytree(DEFAULT_CLASSIFIER_DIR, retuned)
     cfg = json.loads((retuned / "config.json").read_text())
-    was = stage_versions.classifier_version(str(retuned))
+    was = classifier_version(str(retuned))
     cfg["decision"]["threshold"] = round(cfg["decision"]["threshold"] + 0.01, 2)
     cfg.pop("version")
     (retuned / "config.json").write_text(json.dumps(cfg))
-    assert stage_versions.classifier_version(str(retuned)) != was
+    assert classifier_version(str(retuned)) != was
     monkeypatch.setenv("QUMEM_CLASSIFIER_DIR", str(retuned))
     assert _changed(before, _versions()) == {"episodes"}
     cfg["version"] = was  # an edited rule under the old version is refused, not silently kept
     (retuned / "config.json").write_text(json.dumps(cfg))
     try:
-        stage_versions.classifier_version(str(retuned))
+        classifier_version(str(retuned))
     except RuntimeError as e:
         assert "does not match" in str(e)
     else:
@@ -83,11 +85,11 @@ def test_prompt_and_embedder_changes(monkeypatch):
     from qumem_pipeline.query.strategies import agents
     from qumem_pipeline.query.strategies.adamem import profiles
 
-    assert Path(decompose.__file__).resolve() in {p.resolve() for p in stage_versions.stage_modules("memories")}
-    assert Path(agents.__file__).resolve() in {p.resolve() for p in stage_versions.stage_modules("query_states")}
-    assert Path(profiles.__file__).resolve() in {p.resolve() for p in stage_versions.stage_modules("persona_profiles")}
+    assert Path(decompose.__file__).resolve() in {p.resolve() for p in code_versions.stage_files("memories")}
+    assert Path(agents.__file__).resolve() in {p.resolve() for p in code_versions.stage_files("query_states")}
+    assert Path(profiles.__file__).resolve() in {p.resolve() for p in code_versions.stage_files("persona_profiles")}
     before = _versions()
-    monkeypatch.setattr(stage_versions, "embedder_version", lambda: "all-MiniLM-L12-v2@other")
+    monkeypatch.setattr(embedding_version, "embedder_version", lambda: "all-MiniLM-L12-v2@other")
     assert _changed(before, _versions()) == {"memory_embeddings", "memory_indexes", "persona_profiles",
                                                        "query_states"}
 
@@ -95,7 +97,7 @@ def test_prompt_and_embedder_changes(monkeypatch):
 def test_unreadable_classifier_artifact_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("QUMEM_CLASSIFIER_DIR", str(tmp_path))
     try:
-        stage_versions.classifier_version()
+        classifier_version()
     except RuntimeError as e:
         assert "config.json" in str(e) and "version" in str(e)
     else:

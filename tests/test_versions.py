@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from qumem_pipeline import code_versions
+from qumem_pipeline.code_versions import STAGE_UPSTREAM, STAGES, downstream
 from qumem_pipeline.contracts import stage_versions
-from qumem_pipeline.contracts.stage_versions import STAGE_UPSTREAM, STAGES, downstream
+from qumem_pipeline.llm.version import llm_model_id
 
 PACKAGE = Path(stage_versions.__file__).resolve().parents[1]
 PRINT_VERSIONS = (
-    "import json, qumem_pipeline.contracts.stage_versions as sv; "
+    "import json, qumem_pipeline.code_versions as sv; "
     "print(json.dumps({'file': sv.__file__, 'own': sv.stage_own_versions(), 'full': sv.stage_code_versions(), "
     "'git': sv.git_commit()}))"
 )
@@ -83,19 +85,21 @@ def test_git_commit_is_recorded_beside_versions_in_a_checkout():
 def test_every_package_module_is_claimed_or_declared_outside_the_stages():
     """A new module under a stage's imports is hashed automatically; modules no stage reaches are listed here,
     so a stage whose output depends on an unlisted module cannot silently keep its version."""
-    claimed = {p.relative_to(PACKAGE).as_posix() for s in (*STAGES, *stage_versions.JOB_STAGES)
-               for p in stage_versions.stage_modules(s)}
+    claimed = {p.relative_to(PACKAGE).as_posix() for s in (*STAGES, *code_versions.JOB_STAGES)
+               for p in code_versions.stage_files(s)}
     everything = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
     unclaimed = everything - claimed
-    outside = ("cli.py", "eval/", "episodes/continuity/train.py", "episodes/continuity/__main__.py",
+    outside = ("cli.py", "summary.py", "code_versions.py", "eval/", "episodes/continuity/train.py", "episodes/continuity/__main__.py",
                "episodes/continuity/data.py", "episodes/continuity/ood_data.py", "episodes/continuity/generated_dialogues.py",
                "episodes/continuity/tune_decoding.py", "episodes/continuity/tune_learned.py",
                "episodes/continuity/__init__.py",
                "episodes/__init__.py", "episodes/dialogues.py", "episodes/metrics.py", "contracts/",
                "ingest/discovery.py", "ingest/incremental.py", "ingest/__init__.py", "llm/__init__.py",
                "memories/__init__.py", "index/__init__.py", "query/__init__.py", "query/strategies/__init__.py",
-               "query/strategies/adamem/__init__.py", "runtime/", "storage/")
-    assert sorted(m for m in unclaimed if not m.startswith(outside)) == []
+               "query/strategies/adamem/__init__.py", "runtime/", "storage/", "embedding/__init__.py")
+    # every stage's `version` module declares versions and is never hashed
+    assert sorted(m for m in unclaimed if not m.startswith(outside) and not m.endswith("/version.py")) == []
+    assert not {m for m in claimed if m.endswith("/version.py") or m == "code_versions.py"}
     for must in ("memories/decompose.py", "llm/local_backend.py", "llm/openai_backend.py", "ingest/validate.py",
                  "episodes/segmentation.py", "query/strategies/qumem.py", "query/strategies/adamem/graph.py"):
         assert must in claimed, must
@@ -116,22 +120,22 @@ def test_row_version_equals_the_asset_code_version():
     from assets.definitions import ALL_ASSETS
 
     by_asset = {k.to_user_string(): v for a in ALL_ASSETS for k, v in a.code_versions_by_key.items()}
-    assert {s: stage_versions.stage_version(s) for s in STAGES} == by_asset
+    assert {s: code_versions.stage_version(s) for s in STAGES} == by_asset
     assert len(set(by_asset.values())) == len(STAGES)
     with pytest.raises(KeyError, match="unknown stage"):
-        stage_versions.stage_version("nope")
+        code_versions.stage_version("nope")
 
 
 def test_llm_id_follows_the_environment_default_backend(monkeypatch):
     for k in ("QUMEM_LLM_KIND", "QUMEM_LLM_MODEL", "QUMEM_LLM_BASE_URL", "QUMEM_ENV"):
         monkeypatch.delenv(k, raising=False)
-    assert stage_versions.llm_model_id().startswith("local:SmolLM2")
+    assert llm_model_id().startswith("local:SmolLM2")
     monkeypatch.setenv("QUMEM_ENV", "production")  # production's resources default to the openai backend
     monkeypatch.setenv("QUMEM_LLM_BASE_URL", "http://vllm-a:8000/v1")
-    a = stage_versions.stage_version("memories")
-    assert stage_versions.llm_model_id() == "openai:served-by:http://vllm-a:8000/v1"
+    a = code_versions.stage_version("memories")
+    assert llm_model_id() == "openai:served-by:http://vllm-a:8000/v1"
     monkeypatch.setenv("QUMEM_LLM_BASE_URL", "http://vllm-b:8000/v1")
-    assert stage_versions.stage_version("memories") != a
+    assert code_versions.stage_version("memories") != a
 
 
 def _dotted(path: Path) -> str:
@@ -152,7 +156,7 @@ def test_the_import_line_reader_finds_every_module_the_syntax_tree_finds():
     for reader in readers:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(stage_versions, "_imported_modules", reader)
-            walks.append({s: stage_versions.stage_modules(s) for s in STAGES})
+            walks.append({s: code_versions.stage_files(s) for s in STAGES})
     assert walks[0] == walks[1]
 
 

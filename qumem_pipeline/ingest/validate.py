@@ -14,7 +14,7 @@ import polars as pl
 from qumem_pipeline.contracts.ids import USER_ID_PATTERN, valid_user_id_expr
 from qumem_pipeline.ingest.importers.base import ImportResult, ParseFailure
 from qumem_pipeline.contracts.schema import QUARANTINE_SCHEMA, ROLES, TURN_SCHEMA
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.ingest.version import stage_version
 
 DEFAULT_MAX_TEXT_CHARS = 100_000
 # Timestamps further ahead than this (clock skew allowance) are treated as bad data.

@@ -24,7 +24,7 @@ import polars as pl
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError, generate_each
 from qumem_pipeline.llm.model_profiles import output_bounds_of
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.memories.version import stage_version
 # Re-exported: callers (assets, query strategies, tests, benches) import these from here.
 from qumem_pipeline.memories.parsing import (  # noqa: F401
     DECOMPOSE_QUARANTINE_SCHEMA,

@@ -36,7 +36,7 @@ import pyarrow.dataset as pads
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.contracts.ids import USER_ID_PATTERN
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.query.version import stage_version
 from qumem_pipeline.memories.call_ledger import CheckpointedLLM
 from qumem_pipeline.memories.checkpoints import CheckpointStore
 from qumem_pipeline.memories.parsing import LEDGER_SCHEMA

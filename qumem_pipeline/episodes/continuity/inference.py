@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from qumem_pipeline.runtime.batching import length_buckets, pad_batch
-from qumem_pipeline.episodes.continuity.base import base_model_dir, base_weights_sha256, load_tokenizer
+from qumem_pipeline.embedding.base_model import base_model_dir, base_weights_sha256, load_tokenizer
 from qumem_pipeline.episodes.continuity.decoding import (
     DecisionRule, classifier_precision, version_of_config, version_with_precision,
 )
@@ -153,9 +153,10 @@ class ContinuityClassifier:
         return out
 
     def sentence_encoder(self):
-        """The base all-MiniLM-L6-v2 sentence encoder (the index stage's), on this classifier's device."""
+        """The base all-MiniLM-L6-v2 sentence encoder (the shared embedder, also the index stage's), on this
+        classifier's device."""
         if self._encoder is None:
-            from qumem_pipeline.index.embeddings import Embedder
+            from qumem_pipeline.embedding.minilm import Embedder
 
             self._encoder = Embedder.load(device=self.device, path=base_model_dir())
         return self._encoder

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from qumem_pipeline.episodes.continuity.base import load_base_model
+from qumem_pipeline.embedding.base_model import load_base_model
 from qumem_pipeline.episodes.continuity.lora import TARGETS_ALL, inject_lora, lora_state_dict, merge_lora, peft_key
 
 

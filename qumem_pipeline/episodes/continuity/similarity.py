@@ -2,8 +2,8 @@
 
 Why a separate encoder and not the classifier's own pass: the classifier is a cross-encoder over
 the *pair* with its LoRA merged into the weights and a trained token-type table, so neither its
-forward nor peft's ``disable_adapter()`` yields the base model's single-sentence embedding. The index
-stage's :class:`~qumem_pipeline.index.embeddings.Embedder` is exactly that model (the same weights
+forward nor peft's ``disable_adapter()`` yields the base model's single-sentence embedding. The shared
+embedder, :class:`~qumem_pipeline.embedding.minilm.Embedder` (the index stage's too), is exactly that model (the same weights
 file the classifier verifies at load, mean pooling + L2 norm), so it is reused, and every distinct
 text is encoded once: the N-1 pairs of a history cost N single-sentence forwards.
 """

@@ -32,7 +32,7 @@ import torch
 
 from qumem_pipeline.runtime.batching import pad_batch
 from qumem_pipeline.episodes.metrics import evaluate
-from qumem_pipeline.episodes.continuity.base import BASE_MODEL_NAME, base_weights_sha256, load_tokenizer
+from qumem_pipeline.embedding.base_model import BASE_MODEL_NAME, base_weights_sha256, load_tokenizer
 from qumem_pipeline.episodes.continuity.data import Pair, dialogue_pairs, load_tiage
 from qumem_pipeline.episodes.continuity.inference import ADAPTER_FILE, prepare_batches, tokenize_pairs
 from qumem_pipeline.episodes.continuity.model import ContinuityNet, ModelConfig

@@ -371,7 +371,7 @@ class _QARun:
     def _context(self, sample_id: str) -> ConversationContext:
         if sample_id not in self.ctx_cache:
             if self.emb is None:
-                from qumem_pipeline.index.embeddings import Embedder
+                from qumem_pipeline.embedding.minilm import Embedder
 
                 self.emb = self.embedder or Embedder.load(device=self.device)
             conv = self.conv_by_id[sample_id]
@@ -609,7 +609,7 @@ def strategy_version(strategy: str) -> str:
     stage's version (its code, model and embedder), so a changed strategy is answered again (the
     ledger still replays every identical call); the other contexts are built here, in the eval."""
     if strategy in ("qumem", "adamem", "qumem_hybrid"):
-        from qumem_pipeline.contracts.stage_versions import stage_version
+        from qumem_pipeline.query.version import stage_version
 
         return stage_version("query_states")
     if strategy == "topk_memories":  # ranked by the memories' index keys (text and source turns)

@@ -207,7 +207,7 @@ def run_eval(
     ``record`` (``eval.record.EvalRecord``): model calls are answered from it first, the others sent and
     added, and the run's ``argv`` is kept as a manifest; ``replay_only``: no model, no ledger, no
     checkpoint of an earlier run - the calls the record lacks are in ``report['replay']['missing']``."""
-    from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.embedding.minilm import Embedder
 
     replay_identity, work = _replay_workspace(record, path, replay_model) if replay_only else (None, None)
     if work is not None:

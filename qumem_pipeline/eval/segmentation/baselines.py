@@ -83,7 +83,7 @@ class SentenceEmbedder:
     """all-MiniLM-L6-v2 sentence embeddings (mean pooling + L2 norm), length-bucketed batches."""
 
     def __init__(self, device: str | torch.device | None = None, max_len: int = 128):
-        from qumem_pipeline.episodes.continuity.base import load_base_model, load_tokenizer
+        from qumem_pipeline.embedding.base_model import load_base_model, load_tokenizer
         from qumem_pipeline.episodes.continuity.inference import resolve_device
 
         self.device = resolve_device(device)

@@ -139,7 +139,7 @@ def run(artifacts: list[tuple[str | None, str]] | None = None, with_calib: bool 
     from qumem_pipeline.episodes.continuity import ContinuityClassifier
     from qumem_pipeline.episodes.continuity.data import load_tiage
     from qumem_pipeline.episodes.continuity.tune_decoding import choose_learned, choose_sim_dip
-    from qumem_pipeline.index.embeddings import Embedder
+    from qumem_pipeline.embedding.minilm import Embedder
 
     t0 = time.time()
     sets = sets if sets is not None else load_sets(with_calib, seed)

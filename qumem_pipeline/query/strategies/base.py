@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import polars as pl
 
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.query.version import stage_version
 
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry

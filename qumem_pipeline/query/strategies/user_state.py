@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.query.version import stage_version
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import A3, call_tags

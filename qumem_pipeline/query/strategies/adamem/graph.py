@@ -23,7 +23,7 @@ import polars as pl
 
 from qumem_pipeline.query.strategies.adamem.participants import OTHER, USER, turn_owner
 from qumem_pipeline.query.strategies.adamem.text import entities, tokens
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.query.version import stage_version
 
 EDGE_TYPES = ("supports", "in-episode", "same-topic", "mentions-entity", "next-episode", "summarises")
 NODE_TYPES = ("turn", "episode", "memory", "topic", "entity", "profile")

@@ -26,7 +26,7 @@ import polars as pl
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import PERSONA_MERGE, call_tags
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.query.version import stage_version
 from qumem_pipeline.index.per_user_encode import encode_per_user
 
 PROFILE_TYPES = ("preference", "insight")

@@ -21,7 +21,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
-from qumem_pipeline.contracts.stage_versions import stage_version
+from qumem_pipeline.query.version import stage_version
 from qumem_pipeline.llm.base import ChatRequest, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import RESEARCH, call_tags

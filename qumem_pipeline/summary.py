@@ -7,6 +7,8 @@ whose `stage` column names decompose / persona_merge / a1 / a2 / a3 ...). The ca
 the orchestrator knows (wall time by stage, run ids, locations). Samples (one memory and one state
 with its citations per user) are printed, never written to the JSON file: a file of user text outside
 the tables would outlive `qumem forget`.
+
+It sits above the stages it reports on (it reads the memories stage's types), beside the CLI.
 """
 
 import json
