@@ -118,6 +118,7 @@ def test_definitions_load_and_snapshot(dagster_env, small_archive):
         "persona_profiles:profiles_cite_existing_memories", "query_states:evidence_turns_exist",
         "query_states:no_citation_after_as_of",
         "turns:quarantine_under_ceiling", "turns:schema_conforms",
+        "warehouse:personalization_evidence_turns_exist",
     ]
     repo = defs.get_repository_def()
     assert {"main_job", "ingest_job", "forget_user_job"} <= {j.name for j in repo.get_all_jobs()}

@@ -22,6 +22,7 @@ from newer memories, give the batch another id. `batch_id` defaults to the batch
 Evidence is never after a query's as_of (the strategies' rule, checked again on the output).
 """
 
+import hashlib
 import re
 import time
 from collections.abc import Callable
@@ -46,7 +47,9 @@ from qumem_pipeline.query.retrievers import retriever_for
 from qumem_pipeline.query.strategies.base import STATE_SCHEMA
 from qumem_pipeline.query.strategies.registry import DEFAULT_STRATEGY, get_strategy
 from qumem_pipeline.storage.layout import DataLayout
-from qumem_pipeline.storage.table_store import KEY, PLACEHOLDER, STORE_COLUMNS
+from qumem_pipeline.storage.lease import fenced, held
+from qumem_pipeline.contracts.buckets import user_bucket
+from qumem_pipeline.storage.table_store import BUCKET, KEY, PLACEHOLDER, STORE_COLUMNS
 
 STAGE = "personalization"
 STATES, QUARANTINE = "personalization", "personalization_quarantine"
@@ -94,6 +97,11 @@ class BatchReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def batch_lease_name(batch_id: str) -> str:
+    """The batch's lease under `<root>/_leases/` (a digest: any batch id makes a plain path)."""
+    return "personalize-" + hashlib.sha256(batch_id.encode("utf-8")).hexdigest()[:16]
 
 
 def valid_batch_id(batch_id: str) -> str:
@@ -264,24 +272,107 @@ def personalize_batch(
     k = strat.default_k if strat.default_k is not None else (5 if k is None else k)
     version = stage_version(STAGE)
     report = BatchReport(batch_id=batch_id, source=str(source), format=fmt, strategy=strat.name, code_version=version)
-    done = _Done.read(layout, batch_id)
-    if done.queries or done.input_rows:
-        log(f"batch {batch_id}: {len(done.queries)} queries and {len(done.input_rows)} bad rows done by an earlier run")
-    store = CheckpointStore(layout, table=CHECKPOINTS)
-    seen: set[str] = set()
-    for chunk in iter_records(source, fmt, chunk_rows):
-        report.chunks += 1
-        report.rows += len(chunk)
-        _answer_chunk(layout, chunk, seen, done, report, batch_id=batch_id, source=str(source), strategy=strat,
-                      llm=llm, embedder=embedder, k=k, respond=respond, version=version, store=store, log=log,
-                      call_progress=call_progress)
-        log(f"batch {batch_id}: chunk {report.chunks} committed ({report.rows} rows read, {report.answered} answered, "
-            f"{report.already_done} already done, {report.quarantined_input + report.quarantined_user + report.quarantined_llm} "
-            "quarantined)")
+    # One run of a batch at a time, wherever it runs: a fenced lease per batch (storage/lease.py). A
+    # second run waits, then reads what the first finished and skips it, so (batch_id, query_id) is
+    # written once; a holder that lost its lease (paused past its ttl) has its commits refused.
+    with held(layout.store.root, batch_lease_name(batch_id), storage_options=layout.store.storage_options) as lease, \
+            fenced(lease, layout.store, tables=TABLES):
+        done = _Done.read(layout, batch_id)
+        if done.queries or done.input_rows:
+            log(f"batch {batch_id}: {len(done.queries)} queries and {len(done.input_rows)} bad rows done by an earlier run")
+        store = CheckpointStore(layout, table=CHECKPOINTS)
+        seen: set[str] = set()
+        for chunk in iter_records(source, fmt, chunk_rows):
+            lease.check()
+            report.chunks += 1
+            report.rows += len(chunk)
+            _answer_chunk(layout, chunk, seen, done, report, batch_id=batch_id, source=str(source), strategy=strat,
+                          llm=llm, embedder=embedder, k=k, respond=respond, version=version, store=store, log=log,
+                          call_progress=call_progress)
+            log(f"batch {batch_id}: chunk {report.chunks} committed ({report.rows} rows read, {report.answered} answered, "
+                f"{report.already_done} already done, "
+                f"{report.quarantined_input + report.quarantined_user + report.quarantined_llm} quarantined)")
     if warehouse is not None:
         report.warehouse_rows = export_batch(layout, warehouse, batch_id)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+# -- withdrawal: no output cites a turn that no longer exists ------------------------------------------
+def _stale(layout: DataLayout, users: list[str]) -> tuple[pl.DataFrame, list[str]]:
+    """(user_id, batch_id, query_id) of the `personalization` rows of `users` that cite a turn their
+    user no longer has, and the users with no turns left (every source file withdrawn: nothing of
+    theirs may stand). Users never ingested (no `turns` rows at all) are left alone."""
+    keys = pl.DataFrame(schema={"user_id": pl.String, "batch_id": pl.String, "query_id": pl.String})
+    if not users or not layout.store.exists(STATES):
+        return keys, []
+    held = layout.read_users("turns", users)
+    emptied = sorted(u for u, t in held.items() if t is not None and t.height == 0)
+    known = [u for u in users if u in held]
+    states = layout.read_table(STATES, known) if known else None
+    if states is None or states.height == 0:
+        return keys, emptied
+    have = [t.select("user_id", pl.col("turn_index").cast(pl.Int64)) for t in held.values() if t is not None and t.height]
+    turns = pl.concat(have) if have else pl.DataFrame(schema={"user_id": pl.String, "turn_index": pl.Int64})
+    cited = (states.select("user_id", "batch_id", "query_id", pl.col("cited_turn_ids").alias("turn_index"))
+             .explode("turn_index").drop_nulls("turn_index").with_columns(pl.col("turn_index").cast(pl.Int64)))
+    missing = cited.join(turns.unique(), on=["user_id", "turn_index"], how="anti")
+    return missing.select(keys.columns).unique().sort(keys.columns), emptied
+
+
+def evidence_outcome(layout: DataLayout, users: list[str]) -> checks.CheckOutcome:
+    """`checks.evidence_turns_exist` over the `personalization` rows of `users` (each row's cited
+    turns as its evidence), plus rows kept for users whose every turn was withdrawn."""
+    stale, emptied = _stale(layout, users)
+    stale = stale.filter(~pl.col("user_id").is_in(emptied))
+    left = layout.read_table(STATES, emptied) if emptied and layout.store.exists(STATES) else None
+    n_emptied = 0 if left is None else left.height
+    n = stale.height + n_emptied
+    return checks.CheckOutcome(n == 0, f"{n} personalization rows cite turns that no longer exist"
+                               if n else "every personalization row cites existing turns",
+                               {"violations": n, "rows_of_users_without_turns": n_emptied})
+
+
+def purge_withdrawn(layout: DataLayout, users: list[str], warehouse=None) -> dict[str, int]:
+    """Remove what a withdrawal left standing in the bulk outputs, as `query_states` loses the states
+    of a rebuilt user: each `personalization` row of `users` that cites a turn no longer held, and
+    every row of every personalization table of a user with no turns left; from the Delta tables
+    and the warehouse. Deletes by key (never rewrites rows), so a batch answering these users at the
+    same time keeps what it commits. A purged query is no longer done for its batch: a rerun of the
+    batch answers it from the current memories. Returns rows deleted by table."""
+    from qumem_pipeline.storage.table_store import sql_literal
+
+    stale, emptied = _stale(layout, users)
+    stale = stale.filter(~pl.col("user_id").is_in(emptied))
+    out: dict[str, int] = {}
+    store = layout.store
+    if stale.height:
+        n = store.buckets_of(STATES)
+        clauses = []
+        for (user, batch), grp in stale.group_by(["user_id", "batch_id"], maintain_order=True):
+            ids = ", ".join(sql_literal(q) for q in grp["query_id"].to_list())
+            clauses.append(f"({BUCKET} = {user_bucket(user, n)} AND {KEY} = {sql_literal(user)} AND "
+                           f"batch_id = {sql_literal(batch)} AND query_id IN ({ids}))")
+        out[STATES] = store.delete_where(STATES, " OR ".join(clauses), operation="personalization_withdrawn")
+    if emptied:
+        for table in TABLES:
+            if store.exists(table):
+                out[table] = out.get(table, 0) + store.delete(table, emptied)
+    if warehouse is not None and warehouse.path.exists() and (stale.height or emptied):
+        with warehouse.connect() as con:
+            names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables "
+                                               "WHERE table_schema='main'").fetchall()}
+            con.execute("BEGIN TRANSACTION")
+            if STATES in names and stale.height:
+                con.register("stale", stale.to_arrow())
+                con.execute(f'DELETE FROM "{STATES}" t USING stale s WHERE t.user_id = s.user_id '
+                            "AND t.batch_id = s.batch_id AND t.query_id = s.query_id")
+                con.unregister("stale")
+            for table in EXPORTED:
+                if table in names and emptied:
+                    con.execute(f'DELETE FROM "{table}" WHERE user_id IN (SELECT unnest(?))', [emptied])
+            con.execute("COMMIT")
+    return out
 
 
 # -- the warehouse --------------------------------------------------------------------------------------
