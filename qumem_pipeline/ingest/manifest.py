@@ -27,6 +27,7 @@ from pathlib import Path
 import polars as pl
 
 from qumem_pipeline.contracts.schema import UNATTRIBUTED
+from qumem_pipeline.ingest.importers import WHOLE_FILE_FORMATS
 from qumem_pipeline.ingest.stream import file_format, hash_file, stat_key
 
 MANIFEST_TABLE = "ingest_manifest"
@@ -116,7 +117,7 @@ def list_archive(path: str, archive_format: str | None) -> list[ArchiveFile]:
     if not os.path.exists(path) and not any(ch in path for ch in "*?["):
         raise FileNotFoundError(f"archive not found: {path}")
     fmt = archive_format or detect_format(path)
-    if fmt in ("locomo", "chatgpt"):
+    if fmt in WHOLE_FILE_FORMATS:
         paths = [Path(path)] if Path(path).is_file() else sorted(Path(m) for m in glob.glob(path) if Path(m).is_file())
     else:
         paths = expand_paths(path)

@@ -23,6 +23,7 @@ import blake3
 import numpy as np
 import polars as pl
 
+from qumem_pipeline.ingest.importers import WHOLE_FILE_FORMATS
 from qumem_pipeline.ingest.importers.base import ImportResult, empty_raw_frame
 from qumem_pipeline.ingest.importers.canonical import (
     JSONL_SUFFIXES,
@@ -59,7 +60,7 @@ def content_digest(hasher) -> str:
 def file_format(path: Path, archive_format: str) -> str:
     """The format of one file of the archive: a directory or glob is canonical, by suffix."""
     name = path.name.lower()
-    if archive_format in ("locomo", "chatgpt"):
+    if archive_format in WHOLE_FILE_FORMATS:
         return archive_format
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
@@ -87,7 +88,7 @@ def read_batches(path: Path, fmt: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
         _feed(path, hasher)
     if fmt == "parquet":
         yield from _parquet_batches(path, batch_rows)
-    elif fmt in ("locomo", "chatgpt"):
+    elif fmt in WHOLE_FILE_FORMATS:
         from qumem_pipeline.ingest.importers import IMPORTERS
 
         yield IMPORTERS[fmt](str(path))

@@ -1,7 +1,7 @@
 """Format importers: each turns one source format into the raw turn frame (see base.py).
 
 ``import_archive(path)`` picks the importer from ``detect_format(path)``: ``locomo`` and
-``chatgpt`` JSON files, or canonical ``jsonl`` / ``parquet`` (a file, a directory or a glob,
+``chatgpt`` JSON files, ``personamem`` contexts (either layout), or canonical ``jsonl`` / ``parquet`` (a file, a directory or a glob,
 handled by ``importers.canonical``, imported lazily).
 """
 
@@ -15,9 +15,12 @@ from pathlib import Path
 from qumem_pipeline.ingest.importers.base import ImportResult, ParseFailure
 from qumem_pipeline.ingest.importers.chatgpt import import_chatgpt
 from qumem_pipeline.ingest.importers.locomo import import_locomo
+from qumem_pipeline.ingest.importers.personamem import import_personamem, is_personamem
 
-IMPORTERS = {"locomo": import_locomo, "chatgpt": import_chatgpt}
-FORMATS = ("locomo", "chatgpt", "jsonl", "parquet")
+IMPORTERS = {"locomo": import_locomo, "chatgpt": import_chatgpt, "personamem": import_personamem}
+FORMATS = ("locomo", "chatgpt", "personamem", "jsonl", "parquet")
+# formats read one whole file at a time by their importer (never split into canonical line batches)
+WHOLE_FILE_FORMATS = tuple(IMPORTERS)
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.txt")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -57,12 +60,14 @@ def _peek_json(path: Path) -> str | None:
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """'locomo', 'chatgpt', 'jsonl' or 'parquet' for a file, a directory or a glob.
+    """'locomo', 'chatgpt', 'personamem', 'jsonl' or 'parquet' for a file, a directory or a glob.
 
     Raises ValueError when the format cannot be told (say which with ``fmt=``).
     """
     p = Path(path)
     if p.is_file():
+        if is_personamem(p):  # a JSONL file too: one {context_id: [messages]} per line
+            return "personamem"
         kind = _by_suffix(p.name)
         if kind:
             return kind
@@ -107,4 +112,6 @@ __all__ = [
     "import_archive",
     "import_chatgpt",
     "import_locomo",
+    "import_personamem",
+    "WHOLE_FILE_FORMATS",
 ]
