@@ -31,7 +31,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, bucket_key, user_bucket
+from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, bucket_key, configured_buckets, user_bucket
 
 # backfill_policy is marked beta; it is exactly the feature many-users-per-run relies on.
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
@@ -40,7 +40,8 @@ SCHEMES = ("users", "user_buckets")
 SCHEME = os.environ.get("QUMEM_PARTITION_SCHEME") or "users"
 if SCHEME not in SCHEMES:
     raise ValueError(f"QUMEM_PARTITION_SCHEME={SCHEME!r}: expected one of {SCHEMES}")
-N_BUCKETS = int(os.environ.get("QUMEM_BUCKETS") or DEFAULT_BUCKETS)
+# the one bucket count (QUMEM_BUCKETS; QUMEM_USER_BUCKETS, its earlier name, must agree): the table store's N
+N_BUCKETS = configured_buckets() or DEFAULT_BUCKETS
 USERS_PER_RUN = int(os.environ.get("QUMEM_USERS_PER_RUN", "50"))
 # UI backfills in the bucket scheme: buckets per run (each holds ~users/N_BUCKETS users).
 BUCKETS_PER_RUN = int(os.environ.get("QUMEM_BUCKETS_PER_RUN", "1"))

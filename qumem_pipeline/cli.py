@@ -12,7 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _apply_common(args: argparse.Namespace) -> None:
@@ -70,12 +69,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> int:
-    from qumem_pipeline.episodes.continuity.train import TrainConfig, parse_mix, train
+    """Retrain the continuity classifier into --out (default .artifacts/continuity/; the committed artifact
+    only with --overwrite-shipped), then store the rule kind that ships (the learned block rule)."""
+    from qumem_pipeline.episodes.continuity.train import (ShippedArtifactRefused, TrainConfig, output_dir,
+                                                          parse_mix, train_as_shipped)
 
+    try:
+        out = output_dir(args.out, args.overwrite_shipped)
+    except ShippedArtifactRefused as e:
+        print(f"qumem: train-classifier: {e}", file=sys.stderr)
+        return 2
     mix = parse_mix(args.mix)
-    train(out_dir=args.out, seed=args.seed,
-          cfg=TrainConfig(mix=mix, cli_args=("--out", args.out, "--seed", str(args.seed),
-                                          *(("--mix", ",".join(mix)) if mix else ()))))
+    where = ("--overwrite-shipped",) if args.overwrite_shipped else ("--out", str(out))
+    res = train_as_shipped(out, args.seed, TrainConfig(mix=mix, cli_args=(
+        *where, "--seed", str(args.seed), *(("--mix", ",".join(mix)) if mix else ()))))
+    print(f"wrote {out} (version {res['version']}); use it with QUMEM_CLASSIFIER_DIR={out}")
+    if args.json:
+        print(json.dumps({"out": str(out), "version": res["version"]}))
     return 0
 
 
@@ -150,8 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 
-    sp = sub.add_parser("train-classifier", help="train the continuity classifier (reproducible, as shipped)")
-    sp.add_argument("--out", default=str(REPO_ROOT / "qumem_pipeline" / "artifacts" / "continuity"))
+    sp = sub.add_parser("train-classifier", help="retrain the continuity classifier (reproducible, as shipped) into "
+                        "--out, with the learned boundary rule that ships")
+    sp.add_argument("--out", default=None, help="artifact dir (default .artifacts/continuity/); the committed "
+                    "qumem_pipeline/artifacts/continuity/ only with --overwrite-shipped")
+    sp.add_argument("--overwrite-shipped", action="store_true",
+                    help="replace the committed artifact qumem_pipeline/artifacts/continuity/")
+    sp.add_argument("--json", action="store_true", help="print one JSON object (out, version) as the last line")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--mix", default="ood,gen", help="besides TIAGE train: ood (LoCoMo excerpts joined), gen "
                     "(generated task dialogues), from calibration halves only; '' = TIAGE alone")

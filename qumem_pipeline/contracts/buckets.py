@@ -6,8 +6,34 @@ bucket is fixed for a table's life, so the mapping must be the same in every pro
 """
 
 import hashlib
+import os
 
 DEFAULT_BUCKETS = 64
+BUCKETS_ENV = "QUMEM_BUCKETS"  # the one bucket count: the table store's N and the user_buckets partitions
+OLD_BUCKETS_ENV = "QUMEM_USER_BUCKETS"  # the table store's earlier name for the same count
+
+
+class BucketCountConflict(ValueError):
+    """QUMEM_BUCKETS and QUMEM_USER_BUCKETS are both set and disagree."""
+
+
+def configured_buckets(environ=None) -> int | None:
+    """The deployment's one user-bucket count: `QUMEM_BUCKETS` (`QUMEM_USER_BUCKETS`, its earlier name,
+    is still read and must agree with it: the table store and the `user_buckets` partitions hash users with
+    the same N); None when neither is set (new tables get DEFAULT_BUCKETS, existing ones keep theirs)."""
+    env = os.environ if environ is None else environ
+    new, old = env.get(BUCKETS_ENV) or None, env.get(OLD_BUCKETS_ENV) or None
+    try:
+        values = {name: int(v) for name, v in ((BUCKETS_ENV, new), (OLD_BUCKETS_ENV, old)) if v is not None}
+    except ValueError:
+        raise BucketCountConflict(f"{BUCKETS_ENV}={new!r} / {OLD_BUCKETS_ENV}={old!r}: a bucket count is a whole number") from None
+    if len(set(values.values())) > 1:
+        raise BucketCountConflict(f"{BUCKETS_ENV}={new} and {OLD_BUCKETS_ENV}={old} disagree: one bucket count serves the "
+                                  f"table store and the user_buckets partitions; set {BUCKETS_ENV} only")
+    n = next(iter(values.values()), None)
+    if n is not None and n < 1:
+        raise BucketCountConflict(f"{BUCKETS_ENV}={n}: the bucket count must be >= 1")
+    return n
 
 
 def user_bucket(user_id: str, n_buckets: int = DEFAULT_BUCKETS) -> int:

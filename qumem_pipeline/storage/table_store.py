@@ -54,6 +54,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from deltalake.transaction import Transaction
 
 from qumem_pipeline.contracts.buckets import DEFAULT_BUCKETS, user_bucket
+from qumem_pipeline.contracts.buckets import configured_buckets as _configured_buckets
 from qumem_pipeline.storage.file_commit import NO_HOOKS as _NO_HOOKS
 from qumem_pipeline.storage.file_commit import commit_append, commit_new_table, fast_path_ok, may_hold, write_files
 
@@ -104,8 +105,8 @@ class FencedOut(RuntimeError):
 
 
 def configured_buckets() -> int | None:
-    v = os.environ.get("QUMEM_USER_BUCKETS")
-    return int(v) if v else None
+    """The deployment's bucket count for new tables (`contracts.buckets.configured_buckets`: QUMEM_BUCKETS)."""
+    return _configured_buckets()
 
 
 def is_uri(root: str | os.PathLike) -> bool:
@@ -240,7 +241,7 @@ class TableStore:
         if self.n_buckets is not None and int(have) != self.n_buckets:
             raise BucketMismatchError(
                 f"table {self.uri(table)} has {have} user buckets, this deployment is configured with "
-                f"{self.n_buckets} (QUMEM_USER_BUCKETS); the count is fixed for a table's life")
+                f"{self.n_buckets} (QUMEM_BUCKETS); the count is fixed for a table's life")
 
     def buckets_of(self, table: str) -> int:
         dt = self._open(table)

@@ -3,7 +3,10 @@ dialogues built from calibration halves only), select epoch + threshold on TIAGE
 
     python -m qumem_pipeline.episodes.continuity.train --out /tmp/clf --seed 0 --mix ood,gen --threads 2  # the shipped recipe
     python -m qumem_pipeline.episodes.continuity.train --out /tmp/tiage --seed 0                         # TIAGE alone
-    python -m qumem_pipeline.episodes.continuity.tune_learned --artifact /tmp/clf --write     # then its boundary rule
+
+A retrain writes to `--out` (default `.artifacts/continuity/`), never the committed artifact unless
+`--overwrite-shipped` says so, and ends by storing the boundary rule kind that ships: the learned block
+rule (`tune_learned`), not `tune_decoding`'s (`--tuned-rule` keeps that one).
 
 Only LoRA adapters, the token-type table and the head are trained and saved (a ~1-2 MB artifact);
 the base MiniLM weights are verified by sha256 at load time.
@@ -368,6 +371,40 @@ def _rule_and_test(net: ContinuityNet, tok, best: dict, dev_pairs, test_pairs, c
     return rule, selection, test_m
 
 
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "artifacts" / "continuity"  # the committed artifact
+DEFAULT_OUT = Path(__file__).resolve().parents[3] / ".artifacts" / "continuity"  # a retrain's default home
+
+
+class ShippedArtifactRefused(ValueError):
+    """A retrain was pointed at the committed artifact without --overwrite-shipped."""
+
+
+def output_dir(out: str | os.PathLike | None, overwrite_shipped: bool = False) -> Path:
+    """Where a retrain writes: `out` (default `.artifacts/continuity/`), never the committed artifact
+    (`qumem_pipeline/artifacts/continuity/`) unless `overwrite_shipped` asks for exactly that."""
+    if overwrite_shipped:
+        if out is not None and Path(out).resolve() != SHIPPED_DIR:
+            raise ShippedArtifactRefused(f"--out {out} and --overwrite-shipped name two places: give one")
+        return SHIPPED_DIR
+    path = Path(out).resolve() if out is not None else DEFAULT_OUT
+    if path == SHIPPED_DIR:
+        raise ShippedArtifactRefused(f"--out {path} is the committed artifact: pass --overwrite-shipped to replace it")
+    return path
+
+
+def train_as_shipped(out_dir: Path, seed: int, cfg: TrainConfig, log=_log, cache: Path | None = None,
+                     **pairs) -> dict:
+    """Train into `out_dir` (`pairs`: train_pairs / dev_pairs / test_pairs, default the recipe's), then store
+    the boundary rule kind that ships (the learned block rule, `tune_learned`) instead of the `tune_decoding`
+    rule training picks; `cache` holds the rule's signals (default next to the artifact). Returns the config."""
+    from qumem_pipeline.episodes.continuity.tune_learned import learned_rule
+
+    res = train(out_dir, seed, cfg, log=log, **pairs)
+    chosen = learned_rule(Path(out_dir), cache or Path(out_dir).parent / f".{Path(out_dir).name}-signals.pkl", write=True)
+    log(f"stored the learned rule in {out_dir} (version {chosen['version']})")
+    return {**res, "version": chosen["version"], "rule": chosen["rule"]}
+
+
 def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | None = None,
           train_pairs: list[Pair] | None = None, dev_pairs: list[Pair] | None = None,
           test_pairs: list[Pair] | None = None, log=_log, checkpoint: bool = True) -> dict:
@@ -428,7 +465,11 @@ def train(out_dir: str | os.PathLike | None, seed: int = 0, cfg: TrainConfig | N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "artifacts" / "continuity"))
+    ap.add_argument("--out", default=None, help=f"artifact dir (default {DEFAULT_OUT}; never the committed one "
+                    "without --overwrite-shipped)")
+    ap.add_argument("--overwrite-shipped", action="store_true", help=f"write into the committed artifact {SHIPPED_DIR}")
+    ap.add_argument("--tuned-rule", action="store_true", help="keep tune_decoding's rule instead of the learned "
+                    "block rule that ships (tune_learned)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
@@ -459,8 +500,12 @@ def main(argv: list[str] | None = None) -> int:
                       label_smoothing=args.label_smoothing, cross_neg=args.cross_neg,
                       mix=parse_mix(args.mix), swa_from=args.swa_from, train_limit=args.train_limit, model=mcfg,
                       cli_args=tuple(sys.argv[1:] if argv is None else argv))
-    res = train(args.out, args.seed, cfg)
-    print(json.dumps({"version": res["version"], "threshold": res["threshold"], "metrics": res["metrics"],
+    try:
+        out = output_dir(args.out, args.overwrite_shipped)
+    except ShippedArtifactRefused as e:
+        ap.error(str(e))
+    res = train(out, args.seed, cfg) if args.tuned_rule else train_as_shipped(out, args.seed, cfg)
+    print(json.dumps({"out": str(out), "version": res["version"], "threshold": res["threshold"], "metrics": res["metrics"],
                       "wall_time_s": res["train"]["wall_time_s"]}))
     return 0
 

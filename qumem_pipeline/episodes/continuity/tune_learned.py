@@ -212,12 +212,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="store the chosen rule in the artifact's config.json")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
-    from qumem_pipeline.episodes.continuity.inference import DEFAULT_ARTIFACT_DIR, ContinuityClassifier
+    from qumem_pipeline.episodes.continuity.inference import DEFAULT_ARTIFACT_DIR
+
+    result = learned_rule(Path(args.artifact) if args.artifact else DEFAULT_ARTIFACT_DIR,
+                          Path(args.cache) if args.cache else None, write=args.write)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def learned_rule(adir: Path, cache: Path | None = DEFAULT_CACHE, write: bool = False) -> dict:
+    """Choose the learned block rule for the artifact in `adir` (the rule kind that ships) and, with
+    `write`, store it (and the version it makes) in the artifact's config.json. Returns the choice and
+    the systems' figures (`main --json`)."""
+    from qumem_pipeline.episodes.continuity.inference import ContinuityClassifier
 
     t0 = time.time()
-    adir = Path(args.artifact) if args.artifact else DEFAULT_ARTIFACT_DIR
     clf = ContinuityClassifier.load(adir, verify_version=False)  # this tool rewrites the version
-    S = load_signals(clf, Path(args.cache) if args.cache else None)
+    S = load_signals(clf, cache)
     current = clf.rule
     chosen, selection = choose_learned_block(current, S)
     table = report_table(S, {"chosen": chosen, "current": current, "classifier_alone": current.without_similarity()})
@@ -229,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               "n_candidates": len(selection["candidates"]), "systems": table,
               "version": artifact_version(clf.config.get("weights_version", clf.config["version"]), chosen),
               "elapsed_s": round(time.time() - t0, 1)}
-    if args.write:
+    if write:
         steps_1_3 = {k: v for k, v in (clf.config.get("decision", {}).get("selection") or {}).items()
                      if k not in ("sim_dip", "learned", "learned_block")}  # the classifier-alone part stays
         config = versioned_config(clf.config, chosen, {**steps_1_3, "learned_block": selection})
@@ -237,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                                     f"({selection['chosen_on']}; see decision.selection)")
         config["metrics"] = metrics
         write_config_atomic(adir, config)
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":
