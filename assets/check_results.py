@@ -5,11 +5,14 @@ write only when every one passed, so a failing check publishes nothing (the stor
 previous version) and Dagster still records the failed checks, which stop downstream assets.
 """
 
+import time
 from collections.abc import Callable
 
 import dagster as dg
 
+from assets.versions import version_metadata
 from qumem_pipeline.contracts.checks import CheckOutcome
+from qumem_pipeline.contracts.stage_run import StageRun
 
 
 def check_result(name: str, outcome: CheckOutcome) -> dg.AssetCheckResult:
@@ -25,6 +28,19 @@ def gate(context, outcomes: dict[str, CheckOutcome], publish: Callable[[], objec
     else:
         publish()
     return [check_result(n, o) for n, o in outcomes.items()], not failed
+
+
+def materialize(context, run: StageRun, stage: str, t0: float) -> dg.MaterializeResult:
+    """An asset's result for its stage's run (`qumem_pipeline.contracts.stage_run`): the rows published
+    through the gate (when the stage has rows to write), its check results, and its metadata (dicts as
+    JSON) with the stage's version and the step's seconds."""
+    if run.publish is None:
+        results = [check_result(n, o) for n, o in run.outcomes.items()]
+    else:
+        results, _ = gate(context, run.outcomes, run.publish)
+    meta = {k: dg.MetadataValue.json(v) if isinstance(v, (dict, list)) else v for k, v in run.metadata.items()}
+    meta.update({"seconds": round(time.perf_counter() - t0, 3), **version_metadata(stage)})
+    return dg.MaterializeResult(check_results=results, metadata=meta)
 
 
 def no_users_result(context) -> dg.MaterializeResult:

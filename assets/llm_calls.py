@@ -5,19 +5,17 @@ from datetime import datetime
 
 import dagster as dg
 
-from assets.memories import CHECKPOINT_FLUSH_CALLS, CHECKPOINT_FLUSH_S
 from assets.versions import code_version
 from qumem_pipeline.llm.base import LLMError
 from qumem_pipeline.memories.call_ledger import CheckpointedLLM
-from qumem_pipeline.memories.checkpoints import CheckpointStore
+from qumem_pipeline.memories.stage import checkpointed_llm as _checkpointed_llm
 
 
 def checkpointed_llm(layout, tables: tuple[str, str], backend, stage: str, prompt_version: str,
                      created_at: datetime) -> CheckpointedLLM:
     """The run's backend with every call checkpointed per user in `tables[0]` and ledgered (`call_ledger`)."""
-    store = CheckpointStore(layout, table=tables[0]).set_flush_policy(CHECKPOINT_FLUSH_S, CHECKPOINT_FLUSH_CALLS)
-    return CheckpointedLLM(backend, store, code_version=code_version(stage), prompt_version=prompt_version,
-                           created_at=created_at)
+    return _checkpointed_llm(layout, tables, backend, code_version=code_version(stage), prompt_version=prompt_version,
+                             created_at=created_at)
 
 
 def llm_failure(exc: LLMError, llm: CheckpointedLLM) -> dg.Failure:

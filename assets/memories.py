@@ -1,39 +1,16 @@
-import os
 import time
-from datetime import datetime, timezone
 
 import dagster as dg
-import polars as pl
 
+from assets.check_results import materialize, no_users_result
 from assets.episodes import episodes
-from assets.check_results import gate, no_users_result
-from assets.progress import ProgressLogger
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions
-from qumem_pipeline.contracts import checks
-from qumem_pipeline.memories.decompose import PROMPT_VERSION, decompose_episodes
-from assets.versions import code_version, version_metadata
-from qumem_pipeline.memories.checkpoints import CheckpointStore
-from qumem_pipeline.llm.base import LLMError
+from assets.progress import ProgressLogger
+from assets.versions import code_version
+from qumem_pipeline.contracts.stage_run import StageFailed
+from qumem_pipeline.memories.stage import run_memories
 from resources import PipelineConfig
 from resources.models import LLMResource
-
-
-# Finished LLM calls are checkpointed as they finish, written at least every this many seconds / calls.
-CHECKPOINT_FLUSH_S = float(os.environ.get("QUMEM_CHECKPOINT_FLUSH_S", "1.0"))
-CHECKPOINT_FLUSH_CALLS = int(os.environ.get("QUMEM_CHECKPOINT_FLUSH_CALLS", "64"))
-
-
-def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
-    """The decomposer's input: each episode with its turns (assistant replies included)."""
-    by_index = {r["turn_index"]: r for r in turns.iter_rows(named=True)}
-    return [
-        {
-            "user_id": e["user_id"],
-            "episode_id": e["episode_id"],
-            "turns": [by_index[t] for t in e["turn_ids"]],
-        }
-        for e in eps.iter_rows(named=True)
-    ]
 
 
 @dg.asset(
@@ -51,87 +28,13 @@ def episodes_with_turns(turns: pl.DataFrame, eps: pl.DataFrame) -> list[dict]:
                                    description="Every evidence turn is one of the user's current turns.")],
 )
 def memories(context: dg.AssetExecutionContext, pipeline: PipelineConfig, llm: LLMResource) -> dg.MaterializeResult:
-    users = run_user_ids(context)
+    """The run users' episodes decomposed into typed memories (qumem_pipeline/memories/stage.py)."""
+    users, t0 = run_user_ids(context), time.perf_counter()
     if not users:
         return no_users_result(context)
-    layout = pipeline.layout()
-    t0 = time.perf_counter()
-    inputs = []
-    all_eps = []
-    all_turns = []  # (user_id, turn_index) of the run's users now: what evidence may cite
-    # One read per table for the whole run (a read per user lists the table's files each time).
-    turns_of, eps_of = layout.read_users("turns", users), layout.read_users("episodes", users)
-    for u in users:
-        # A user with no turns (their source files were withdrawn) has present, empty turns and
-        # episodes: no inputs, and publishing writes them empty in every memories table.
-        turns_df, eps_df = turns_of.get(u), eps_of.get(u)
-        if turns_df is None or eps_df is None:
-            raise dg.Failure(f"user {u}: materialize `turns` and `episodes` first")
-        stale = set(eps_df["turn_ids"].explode().drop_nulls().to_list()) - set(turns_df["turn_index"].to_list()) \
-            if eps_df.height else set()
-        if stale:
-            raise dg.Failure(f"user {u}: episodes cite {len(stale)} turns that are no longer in `turns` "
-                             "(the archive changed since): materialize `episodes` first")
-        inputs.extend(episodes_with_turns(turns_df, eps_df))
-        all_eps.append(eps_df.select("episode_id", "turn_ids"))
-        all_turns.append(turns_df.select(pl.lit(u).alias("user_id"), pl.col("turn_index").cast(pl.Int64)))
-    context.log.info(f"decomposing {len(inputs)} episodes of {len(users)} users ({3 * len(inputs)} LLM calls)")
-    t_llm = time.perf_counter()
-    store = CheckpointStore(layout).set_flush_policy(CHECKPOINT_FLUSH_S, CHECKPOINT_FLUSH_CALLS)
     try:
-        with ProgressLogger(context.log, "LLM calls (checkpointed)") as progress:
-            out = decompose_episodes(inputs, llm.backend, created_at=datetime.now(timezone.utc),
-                                     max_tokens=llm.max_tokens, checkpoint=store, progress=progress)
-    except LLMError as exc:
-        saved = len(getattr(exc, "finished_outcomes", None) or [])
-        raise dg.Failure(
-            description=f"{exc} Finished LLM calls are checkpointed under {store.layout.table_dir('memory_checkpoints')} "
-            f"({saved} finished in this run); rerun the same users once the endpoint is back and only the "
-            "missing calls are sent."
-        ) from exc
-    llm_s = time.perf_counter() - t_llm
-    evidence = checks.evidence_inside_episodes(out.memories, pl.concat(all_eps) if all_eps else pl.DataFrame(
-        schema={"episode_id": pl.String, "turn_ids": pl.List(pl.Int64)}))
-
-    def publish():  # one transaction per table for all of the run's users
-        layout.replace_users("memories", users, out.memories)
-        layout.replace_users("llm_ledger", users, out.ledger)
-        layout.replace_or_remove_users("memory_quarantine", users, out.quarantine)
-        store.compact_users({u: out.call_keys_by_user.get(u, set()) for u in users})
-
-    turns_now = pl.concat(all_turns) if all_turns else pl.DataFrame(schema={"user_id": pl.String, "turn_index": pl.Int64})
-    outcomes = {"evidence_inside_episode": evidence, "evidence_turns_exist": checks.evidence_turns_exist(out.memories, turns_now)}
-    check_results, _ = gate(context, outcomes, publish)
-    s = out.summary
-    context.log.info(
-        f"decomposed {len(inputs)} episodes: {s['llm_calls']} LLM calls in {llm_s:.1f}s "
-        f"({s['llm_calls'] / max(llm_s, 1e-9):.1f} calls/s, {s['completion_tokens'] / max(llm_s, 1e-9):.0f} completion tok/s)"
-    )
-    by_type = dict(out.memories.group_by("type").len().rows()) if out.memories.height else {}
-    return dg.MaterializeResult(
-        check_results=check_results,
-        metadata={
-            "users": len(users),
-            "episodes": len(inputs),
-            "dagster/row_count": out.memories.height,
-            "memories_by_type": dg.MetadataValue.json(by_type),
-            "llm_calls": s["llm_calls"],
-            "llm_calls_reused_from_checkpoint": out.stats.reused_calls,
-            "quarantined_calls": out.quarantine.height,
-            "calls_per_100_turns": round(s["calls_per_100_turns"], 2),
-            "prompt_tokens_per_turn": round(s["prompt_tokens_per_turn"], 1),
-            "completion_tokens_per_turn": round(s["completion_tokens_per_turn"], 1),
-            "prompt_tokens": s["prompt_tokens"],  # run totals from the token ledger
-            "completion_tokens": s["completion_tokens"],
-            "llm_seconds": round(llm_s, 3),
-            "completion_tokens_per_s": round(s["completion_tokens"] / llm_s, 1) if llm_s > 0 else 0.0,
-            "prefill_saved_by_prefix_cache": round(s["prefill_saved_fraction"], 3),
-            "evidence_ids_dropped": out.stats.evidence_ids_dropped,
-            "duplicates_collapsed": out.stats.duplicates_collapsed,
-            "model": llm.backend.model_name,
-            "backend": llm.backend.backend_name,
-            "prompt_version": PROMPT_VERSION,
-            **version_metadata("memories"),
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
-    )
+        run = run_memories(pipeline.layout(), users, llm.backend, max_tokens=llm.max_tokens, log=context.log.info,
+                           progress=ProgressLogger(context.log, "LLM calls (checkpointed)"))
+    except StageFailed as exc:
+        raise dg.Failure(description=str(exc)) from exc
+    return materialize(context, run, "memories", t0)

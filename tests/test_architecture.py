@@ -295,7 +295,6 @@ def asset_bodies() -> list[tuple[str, str, int]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 52 item 2")
 def test_every_asset_body_is_thin():
     bodies = asset_bodies()
     # the measure sees every asset of the definitions (turns ... warehouse, the AdaMem extras)

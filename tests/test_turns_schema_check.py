@@ -2,7 +2,7 @@
 
 import polars as pl
 
-from assets.ingest import _turns_schema
+from qumem_pipeline.ingest.stage import turns_schema as _turns_schema
 from qumem_pipeline.contracts import checks
 from qumem_pipeline.ingest.validate import TURN_POLARS_SCHEMA
 from qumem_pipeline.storage.layout import DataLayout

@@ -41,7 +41,7 @@ def _read_version_field(path: str, mtime_ns: int, size: int) -> str:
 SPECS: dict[str, StageSpec] = {
     **UPSTREAM_SPECS,
     "episodes": StageSpec(
-        entries=("episodes.segmentation", "episodes.continuity.inference"),
+        entries=("episodes.stage", "episodes.segmentation", "episodes.continuity.inference"),
         upstream=("turns",),
         inputs=lambda: (classifier_version(),),
     ),

@@ -8,7 +8,7 @@ from qumem_pipeline.contracts.versions import TURN_SCHEMA_VERSION
 
 SPECS: dict[str, StageSpec] = {
     "turns": StageSpec(
-        entries=("ingest.sync", "ingest.archive", "ingest.importers", "ingest.validate", "contracts.schema",
+        entries=("ingest.stage", "ingest.sync", "ingest.archive", "ingest.importers", "ingest.validate", "contracts.schema",
                  "contracts.versions"),
         upstream=(),
         inputs=lambda: (TURN_SCHEMA_VERSION,),

@@ -8,7 +8,7 @@ from qumem_pipeline.llm.version import llm_model_id
 SPECS: dict[str, StageSpec] = {
     **UPSTREAM_SPECS,
     "memories": StageSpec(
-        entries=("memories.decompose", "memories.checkpoints", "llm.factory"),
+        entries=("memories.stage", "memories.decompose", "memories.checkpoints", "llm.factory"),
         upstream=("episodes",),
         inputs=lambda: (llm_model_id(),),
     ),

@@ -7,7 +7,7 @@ from qumem_pipeline.contracts.stage_versions import StageSpec, full_version
 from qumem_pipeline.index.version import SPECS as UPSTREAM_SPECS
 from qumem_pipeline.llm.version import llm_model_id
 
-_QUERY_ENTRIES = ("query.queries", "query.retrieval", "query.retrievers", "query.strategies.registry", "llm.factory")
+_QUERY_ENTRIES = ("query.stage", "query.queries", "query.retrieval", "query.retrievers", "query.strategies.registry", "llm.factory")
 
 SPECS: dict[str, StageSpec] = {
     **UPSTREAM_SPECS,

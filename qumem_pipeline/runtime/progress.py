@@ -109,3 +109,17 @@ class ProgressLine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def llm_call_progress(progress: ProgressLine, prefix: str = ""):
+    """`CheckpointedLLM.progress` writing to `progress`: each batch of calls (A1, A2, A3, a retry batch,
+    persona merges) is a sub-stage of its own, `<prefix><STAGE> calls: done/total (rate, ETA)`."""
+    current: list = [None]
+
+    def report(stage: str, done: int, total: int) -> None:
+        if current[0] != (stage, total) or done < progress.done:
+            current[0] = (stage, total)  # a new batch: its replayed calls are done already
+            progress.stage(f"{prefix}{stage.upper()} calls", total, base=done)
+        progress(done, total)
+
+    return report
