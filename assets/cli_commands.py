@@ -358,17 +358,30 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_forget(args: argparse.Namespace) -> int:
     if not _valid_user_id(args.user_id):
         return 2
+    from assets.cli_log import with_cli_logger
+
     instance = _instance()
-    if getattr(args, "verify", False):
-        report = audit_erasure(instance, _defs(), args.user_id, list(args.canary or []))
-        print(json.dumps(report, indent=1))
-        print(json.dumps({"user_found": report["found"], "objects_scanned": report["data_root"]["objects_scanned"]}))
-        return 1 if report["found"] else 0
-    result = _defs().resolve_job_def("forget_user_job").execute_in_process(
-        instance=instance, run_config={"ops": {"forget_user_op": {"config": {"user_id": args.user_id}}}}
-    )
-    print(f"forgot {args.user_id}" if result.success else f"forget failed for {args.user_id}")
-    return 0 if result.success else 1
+    # as `run` and `ingest`: short lines on the terminal, every record and traceback in the log file,
+    # and a failure ends with one line naming what failed and where (never Dagster's stack traces)
+    log_file = _log_file("forget")
+    try:
+        defs = _defs()
+        if getattr(args, "verify", False):
+            report = audit_erasure(instance, defs, args.user_id, list(args.canary or []))
+            print(json.dumps(report, indent=1))
+            print(json.dumps({"user_found": report["found"], "objects_scanned": report["data_root"]["objects_scanned"]}))
+            return 1 if report["found"] else 0
+        job, run_config = with_cli_logger(defs.resolve_job_def("forget_user_job"), str(log_file))
+        run_config = {**run_config, "ops": {"forget_user_op": {"config": {"user_id": args.user_id}}}}
+        result = job.execute_in_process(instance=instance, run_config=run_config, raise_on_error=False)
+        if not result.success:
+            root = defs.resources["pipeline"].data_root
+            return _fail("forget", f"{describe_failure(result, defs, 1, 1)} (data root {root})", log_file)
+    except Exception as exc:  # noqa: BLE001 - any failure: one line here, the traceback in the log
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return _fail("forget", f"{type(exc).__name__}: {first}", log_file, exc)
+    print(f"forgot {args.user_id}; log: {log_file}")
+    return 0
 
 
 def audit_erasure(instance, defs, user_id: str, canaries: list[str]) -> dict:

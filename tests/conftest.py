@@ -165,6 +165,7 @@ SYSTEM_TIER = frozenset({
     "test_recovery.py",
     "test_erasure_interleavings.py",
     "test_eval_stop.py",
+    "test_cli_forget.py",
 })
 
 
