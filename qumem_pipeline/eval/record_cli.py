@@ -36,13 +36,19 @@ QA_FIELDS = ("dataset", "model", "strategies", "n_scored", "n_questions", "n_que
 QA_OPTIONAL_FIELDS = ("f1_vs_adamem",)
 QA_STRATEGY_FIELDS = ("f1", "bleu1", "n", "per_category", "adversarial", "no_answer", "state_failed",
                       "not_answered", "mean_context_words")
+PERSONAMEM_FIELDS = ("n_questions", "distinct_questions", "splits", "prompt_version", "accuracy", "n_scored",
+                     "accuracy_by_type", "accuracy_by_split", "vs_topk_turns", "vs_qumem", "accuracy_likelihood",
+                     "n_scored_likelihood", "accuracy_by_type_likelihood", "accuracy_by_split_likelihood",
+                     "vs_topk_turns_likelihood", "vs_qumem_likelihood", "llm_calls")
 RECALL_FIELDS = ("retrieval", "retrieval_by_scoring", "retrieval_with_adversarial", "per_category", "strategies",
                  "n_items", "memory_keys")
 
 
 def figures(report: dict) -> dict:
     """The part of a report a published table shows: scores, sample sizes, intervals, what was replayed."""
-    if "qa" in report:
+    if "accuracy" in report:  # PersonaMem
+        out = {k: report[k] for k in PERSONAMEM_FIELDS if k in report}
+    elif "qa" in report:
         out = {k: report.get(k) for k in QA_FIELDS}
         out["qa"] = {s: {k: v.get(k) for k in QA_STRATEGY_FIELDS} for s, v in report["qa"].items()}
         for k in QA_OPTIONAL_FIELDS:  # only where the run had that baseline
@@ -69,12 +75,16 @@ def _at_repo_root():
 
 def replay(args: Sequence[str], record: EvalRecord, quiet: bool = True) -> tuple[int, dict | None]:
     """Run ``qumem eval ARGS --replay-only --json --record ROOT`` in-process; (exit code, report)."""
-    def cli_main(argv: list[str]) -> int:  # what `qumem eval locomo ...` runs (no import of the CLI: no cycle)
+    def cli_main(argv: list[str]) -> int:  # what `qumem eval locomo|personamem ...` runs (no import of the CLI)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if argv[:2] == ["eval", "personamem"]:
+            from qumem_pipeline.eval.personamem.run import main as personamem_main
+
+            return personamem_main(argv[2:])
         from qumem_pipeline.eval.locomo.harness import main as locomo_main
 
         if argv[:2] != ["eval", "locomo"]:
-            raise SystemExit(f"the record replays `qumem eval locomo ...` commands, not {' '.join(argv[:2])!r}")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            raise SystemExit(f"the record replays `qumem eval locomo|personamem ...` commands, not {' '.join(argv[:2])!r}")
         return locomo_main(argv[2:])
 
     argv = ["eval", *args]
@@ -184,6 +194,9 @@ def run_commands(record: EvalRecord) -> list[list[str]]:
         if r["kind"] == "locomo_recall":
             cmds.append(["locomo", ds, *r["argv"][1:], "--replay-model", r["model"]])
             continue
+        if r["kind"] == "personamem_mc":
+            cmds += personamem_commands(r, ds)
+            continue
         st = r["settings"]
         groups: dict[tuple, list[str]] = {}  # strategies that answered the same questions replay together
         for s, keys in r["answered"].items():
@@ -207,6 +220,26 @@ def run_commands(record: EvalRecord) -> list[list[str]]:
             cmds.append(cmd)
     for p in _tables(record):
         cmds.append(json.loads(p.read_text())["command"][2:])
+    return cmds
+
+
+def personamem_commands(r: dict, contexts: str) -> list[list[str]]:
+    """Replay commands of one recorded PersonaMem run: strategies that answered the same questions together."""
+    st = r["settings"]
+    qfile = os.path.join(os.path.dirname(contexts), r["questions"])
+    groups: dict[tuple, list[str]] = {}
+    for s, keys in r["answered"].items():
+        groups.setdefault(tuple(keys), []).append(s)
+    cmds = []
+    for keys, strategies in groups.items():
+        cmd = ["personamem", os.path.dirname(contexts) or ".", "--contexts", contexts, "--questions", qfile,
+               "--strategies", ",".join(strategies), "--question-keys", ",".join(keys),
+               "--context-ids", ",".join(r["conversations"]), "--methods", ",".join(st["methods"]),
+               "--words", str(st["words"]), "--context-tokens", str(st["context_tokens"]), "--chunk", str(st["chunk"]),
+               "--llm-max-tokens", str(st["llm_max_tokens"]), "--replay-model", r["model"]]
+        if st.get("episodes_version"):
+            cmd += ["--episodes-version", st["episodes_version"]]
+        cmds.append(cmd)
     return cmds
 
 
