@@ -166,6 +166,7 @@ SYSTEM_TIER = frozenset({
     "test_erasure_interleavings.py",
     "test_eval_stop.py",
     "test_cli_forget.py",
+    "test_second_reader.py",
 })
 
 
