@@ -18,7 +18,11 @@ Scenarios:
   equals the uninterrupted run's and no temp file is left (clean row: a second uninterrupted run
   equals the first); `rows_quarantined` = rows of the quarantine tables after the rerun;
   `repeated_calls` = valid answers (killed run + rerun) per request beyond the clean run's (clean row: null,
-  it is the reference).
+  it is the reference). Beside the fixed points, `--random-kills N` (default 20) runs killed at seed-chosen
+  finished LLM calls (`llm.call_recorded`, `--kill-seed`), wherever the checkpoint buffer stands: their
+  `repeated_calls` may be above 0, up to the documented window (memories/recording.py: the unflushed
+  buffer, at most flush_every_n - 1, plus the answers in flight), reported as "random_kills" {repeated_calls
+  per kill, total, max, bound_per_kill, within_bound}; the exit status requires every one within the bound.
 - Bad input rows through ingest validation: every valid row arrives, every bad one is quarantined
   (`repeated_calls` is null: no LLM call is made).
 - Erasure under load (`--scenario erasure`, or `all` with the others; issue 27), per seed: an archive of
@@ -226,7 +230,19 @@ def quarantined_rows(data_root: Path) -> int:
     return sum(table_rows(data_root / t) for t in QUARANTINE_TABLES if (data_root / t).exists())
 
 
-def kill_scenarios(work: Path, points=KILL_POINTS) -> list[dict]:
+RANDOM_KILL_POINT = "llm.call_recorded"  # every finished LLM call, its checkpoint group flushed or not
+
+
+def kill_window() -> int:
+    """The most finished calls a kill -9 may leave unrecorded, so a rerun pays again (memories/recording.py):
+    the checkpoint buffer (flush_every_n - 1 calls; fewer when calls finish slower than flush_every_s) plus
+    the answers that arrived but were not yet handed over (the backend's calls in flight)."""
+    from qumem_pipeline.memories.stage import CHECKPOINT_FLUSH_CALLS
+
+    return CHECKPOINT_FLUSH_CALLS - 1 + 64  # OpenAIBackend's default max_concurrency
+
+
+def kill_scenarios(work: Path, points=KILL_POINTS, random_kills: int = 0, kill_seed: int = 0) -> list[dict]:
     rows = []
     with RunningFakeServer({"default": [ECHO]}, work / "kill-srv") as srv:
         clean = work / "clean"
@@ -243,8 +259,18 @@ def kill_scenarios(work: Path, points=KILL_POINTS) -> list[dict]:
                      "repeated_calls": None, "llm_calls": sum(clean_answers.values()), "wall_s": clean_wall,
                      "slowdown": 1.0})
         kill_rows = []
-        for point, hit in points:
-            w = work / f"kill-{point}"
+        # random kills: at seed-chosen finished calls of the clean run's count, wherever the checkpoint
+        # buffer stands (not only right after a flush, as decompose.batch does)
+        import random
+
+        n_calls = sum(clean_answers.values())
+        rng = random.Random(kill_seed)
+        hits = (rng.sample(range(1, n_calls + 1), random_kills) if random_kills <= n_calls
+                else [rng.randint(1, n_calls) for _ in range(random_kills)])
+        plan = [(point, hit, f"kill:{point}") for point, hit in points]
+        plan += [(RANDOM_KILL_POINT, hit, f"kill:random#{i + 1}") for i, hit in enumerate(hits)]
+        for point, hit, name in plan:
+            w = work / f"{name.replace(':', '-').replace('#', '-')}"
             write_archive(w / "archive")
             t0 = time.perf_counter()
             with RunningFakeServer({"default": [ECHO]}, w / "srv") as ksrv:  # its own log: this scenario's calls
@@ -253,7 +279,7 @@ def kill_scenarios(work: Path, points=KILL_POINTS) -> list[dict]:
                 repeated = repeated_calls(ksrv, reference=clean_answers)
             wall = time.perf_counter() - t0
             got = table_rows(w / "data") if r.returncode == 0 else 0
-            kill_rows.append({"scenario": f"kill:{point}", "injected": f"exit 137 at {point} (hit {hit})",
+            kill_rows.append({"scenario": name, "injected": f"exit 137 at {point} (hit {hit})",
                               "recovered": k.returncode == 137 and r.returncode == 0 and snapshot(w / "data") == base
                               and not temp_files(w / "data"),
                               "rows_expected": base_rows, "rows_out": got,
@@ -617,7 +643,7 @@ def print_erasure(summary: dict) -> None:
           + "".join(f"{summary[k]:>12}" for k in keys))
 
 
-def base_scenarios(work: Path, expected: int, kills: bool, points) -> list[dict]:
+def base_scenarios(work: Path, expected: int, kills: bool, points, random_kills: int = 0, kill_seed: int = 0) -> list[dict]:
     """The LLM endpoint, bad-row and (unless `kills` is false) killed-run scenarios."""
     rows = []
     clean, clean_out = llm_scenario("clean", "-", [], work, expected)
@@ -647,7 +673,7 @@ def base_scenarios(work: Path, expected: int, kills: bool, points) -> list[dict]
     rows.append(bad_rows_scenario(work))
     rows[-1]["slowdown"] = None
     if kills:
-        rows.extend(kill_scenarios(work, points))
+        rows.extend(kill_scenarios(work, points, random_kills, kill_seed))
     return rows
 
 
@@ -657,6 +683,9 @@ def main() -> int:
     ap.add_argument("--skip-kills", action="store_true", help="skip the killed-run scenarios (about 6 minutes on 2 cores)")
     ap.add_argument("--kill-points", default=",".join(p for p, _ in KILL_POINTS),
                     help="comma-separated fault points for the killed runs (default: all)")
+    ap.add_argument("--random-kills", type=int, default=20,
+                    help=f"killed runs at seed-chosen finished LLM calls ({RANDOM_KILL_POINT}), beside the fixed points")
+    ap.add_argument("--kill-seed", type=int, default=0, help="seed of the random kill points")
     ap.add_argument("--users", type=int, default=N_USERS)
     ap.add_argument("--episodes", type=int, default=N_EPISODES, help="episodes per user (at least 6 unless --smoke)")
     ap.add_argument("--smoke", action="store_true", help="smallest configuration: the LLM and bad-row scenarios, no killed runs")
@@ -688,7 +717,7 @@ def main() -> int:
     rows, erasure_summary = [], None
     try:
         if base:
-            rows.extend(base_scenarios(work, expected, not args.skip_kills, points))
+            rows.extend(base_scenarios(work, expected, not args.skip_kills, points, args.random_kills, args.kill_seed))
         if erasure:
             erows, erasure_summary = erasure_scenarios(work, seeds, n_users=args.erasure_users,
                                                        n_runs=args.erasure_runs, n_forgets=args.erasure_forgets,
@@ -703,6 +732,18 @@ def main() -> int:
               f"{str(r['rows_quarantined']):>7}{r['rows_lost']:>6}{str(r['repeated_calls']):>8}{r['wall_s']:>9.2f}")
     total = sum(r["rows_lost"] for r in rows)
     print(f"total rows lost: {total}; all recovered: {all(r['recovered'] for r in rows)}")
+    # random kills repay at most the documented window each (memories/recording.py); every other row 0
+    random_rows = [r for r in rows if r["scenario"].startswith("kill:random#")]
+    window = kill_window()
+    random_summary = None
+    if random_rows:
+        reps = [r["repeated_calls"] for r in random_rows]
+        random_summary = {"point": RANDOM_KILL_POINT, "kills": len(random_rows), "seed": args.kill_seed,
+                          "hits": [int(r["injected"].rsplit("hit ", 1)[1].rstrip(")")) for r in random_rows],
+                          "repeated_calls": reps, "repeated_calls_total": sum(reps), "repeated_calls_max": max(reps),
+                          "bound_per_kill": window, "within_bound": all(n <= window for n in reps)}
+        print(f"random kills: {len(reps)} at {RANDOM_KILL_POINT}; repeated calls total {sum(reps)}, max {max(reps)} "
+              f"(bound per kill {window})")
     if erasure_summary is not None:
         print_erasure(erasure_summary)
     if args.json:
@@ -711,7 +752,8 @@ def main() -> int:
             if r.get("slowdown") is not None:
                 r["slowdown"] = round(r["slowdown"], 2)
         out = {"rows": rows, "total_rows_lost": total, "all_recovered": all(r["recovered"] for r in rows),
-               "total_repeated_calls": sum(r["repeated_calls"] or 0 for r in rows),
+               "total_repeated_calls": sum(r["repeated_calls"] or 0 for r in rows if r not in random_rows),
+               "random_kills": random_summary,
                "config": {"scenario": args.scenario, "users": N_USERS, "episodes_per_user": N_EPISODES,
                           "kill_points": [] if args.skip_kills or not base else [p for p, _ in points]}}
         if erasure_summary is not None:
@@ -722,8 +764,9 @@ def main() -> int:
             out["config"]["erasure"] = {"seeds": seeds, "users": args.erasure_users, "runs": args.erasure_runs,
                                         "forgets": args.erasure_forgets, "max_delay_s": args.erasure_delay}
         print(json.dumps(out))
-    repeated = sum(r["repeated_calls"] or 0 for r in rows)
-    return 0 if total == 0 and repeated == 0 and all(r["recovered"] for r in rows) else 1
+    repeated = sum(r["repeated_calls"] or 0 for r in rows if r not in random_rows)
+    bounded = random_summary is None or random_summary["within_bound"]
+    return 0 if total == 0 and repeated == 0 and bounded and all(r["recovered"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -95,11 +95,17 @@ def test_faults_smoke():
 
 @pytest.mark.slow
 def test_faults_one_killed_run():
-    got = run_bench("bench/faults.py", "--scenario", "default", "--kill-points", "decompose.batch", timeout=1200)
+    got = run_bench("bench/faults.py", "--scenario", "default", "--kill-points", "decompose.batch",
+                    "--random-kills", "1", timeout=1500)
     rows = {r["scenario"]: r for r in got["rows"]}
     kill, clean = rows["kill:decompose.batch"], rows["kill:none (clean run)"]
     assert kill["recovered"] and clean["recovered"] and kill["rows_lost"] == 0
     assert kill["repeated_calls"] == 0 and kill["rows_quarantined"] == clean["rows_quarantined"]
+    # one kill at a random finished call: recovered, its repeats within the documented window
+    rnd, summary = rows["kill:random#1"], got["random_kills"]
+    assert rnd["recovered"] and rnd["rows_lost"] == 0
+    assert summary["kills"] == 1 and summary["repeated_calls"] == [rnd["repeated_calls"]] and summary["within_bound"]
+    assert got["total_repeated_calls"] == 0  # the fixed points and endpoint faults: none paid twice
 
 
 @pytest.mark.slow

@@ -6,7 +6,10 @@ must survive a later failure. One write per call would make the checkpoint store
 `flush_every_n` have gathered or the oldest has waited `flush_every_s` (a timer flushes a quiet
 buffer, so a call finished just before a long silence is on disk within that time too). Callers
 flush before raising, so an endpoint failure loses nothing that finished; a kill -9 loses at most
-the last `flush_every_s` seconds of answers. Storage stays the host's `append(outcomes)`.
+the last `flush_every_s` seconds of answers (never more than `flush_every_n - 1` recorded calls, plus
+the answers that arrived but were not recorded yet: at most the backend's calls in flight); a rerun
+pays for those again (bench/faults.py's random kills measure it). Storage stays the host's
+`append(outcomes)`.
 """
 
 import threading
@@ -55,6 +58,7 @@ class BufferedRecorder:
                 t.daemon = True
                 st["timer"] = t
                 t.start()
+        fault_point("llm.call_recorded")  # crash tests: die at any finished call, its group maybe not on disk yet
 
     def flush(self) -> int:
         """Write every buffered call now; returns how many were written."""

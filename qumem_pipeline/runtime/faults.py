@@ -30,8 +30,8 @@ KILL_EXIT_CODE = 137  # what a shell reports for SIGKILL
 _hits: dict[tuple[str, str], int] = {}
 
 # The points wired into the pipeline (for documentation and the tests that enumerate them).
-POINTS = ("turns.synced", "episodes.classify", "decompose.batch", "index.write", "query_states.committed",
-          "warehouse.table")
+POINTS = ("turns.synced", "episodes.classify", "decompose.batch", "llm.call_recorded", "index.write",
+          "query_states.committed", "warehouse.table")
 
 
 class PauseNotReleased(RuntimeError):
