@@ -608,10 +608,11 @@ def strategy_version(strategy: str) -> str:
     """What besides the answer prompt decides a strategy's answers: for the state strategies the query
     stage's version (its code, model and embedder), so a changed strategy is answered again (the
     ledger still replays every identical call); the other contexts are built here, in the eval."""
-    if strategy in ("qumem", "adamem", "qumem_hybrid"):
+    if strategy in ("qumem", "adamem", "qumem_hybrid", "qumem_evidence"):
+        from qumem_pipeline.eval.locomo.qa_contexts import EVIDENCE_RENDER
         from qumem_pipeline.query.version import stage_version
 
-        return stage_version("query_states")
+        return stage_version("query_states") + (f"; {EVIDENCE_RENDER}" if strategy == "qumem_evidence" else "")
     if strategy == "topk_memories":  # ranked by the memories' index keys (text and source turns)
         from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT, keyed_version
 

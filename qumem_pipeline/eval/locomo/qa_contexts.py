@@ -240,6 +240,13 @@ class ConversationContext:
         out = infer_adamem_states(self.queries(questions), llm, self._adamem_retriever(), k=DEFAULT_K)
         return _state_rows(out.states, questions)
 
+    def evidence_turns(self) -> dict[str, list[str]]:
+        """memory_id -> the unit ids ("turn:<t>") of the turns it rests on."""
+        if self.memories is None:
+            return {}
+        return {m: [f"turn:{t}" for t in (ev or [])] for m, ev in
+                zip(self.memories["memory_id"].to_list(), self.memories["evidence_turn_ids"].to_list())}
+
     def unit_texts(self) -> dict:
         """Text of every unit a state can cite: memories (owner-prefixed content) and turns ("Name: text")."""
         out = {f"turn:{t}": line for t, line in zip(self.turn_index, self.lines)}
@@ -305,6 +312,38 @@ def render_grounded(row: "StateRow | None", texts: dict, dates: dict | None, bud
                                                          budget - spent)]
     if more:
         head += ["Other evidence retrieved for this question (with dates):", *more]
+    return "\n".join(head)
+
+
+EVIDENCE_RENDER = ("evidence render v1: the state's inferences, then the turns its cited memories rest on, "
+                   "then those of the other retrieved memories, whole, in conversation order, within the budget")
+
+
+def render_with_evidence(row: "StateRow | None", texts: dict, dates: dict | None, budget: int,
+                         evidence: dict[str, list[str]]) -> str:
+    """Z_q with its evidence: the state's preference trajectory and insights (its inferences), then the
+    conversation turns its cited memories rest on, then those of the other retrieved memories (best
+    score first), each turn whole and shown once, in conversation order, within the word budget.
+
+    Why: on LoCoMo the state's answers trailed top-k over turns most on single-hop questions (F1 0.297
+    against 0.418, table ``locomo_qa_qwen15b_dev5``), where the detail asked for is in a turn and a
+    1.5B model's memory of it drops it; the memories chose *which* turns matter, the turns keep what
+    was said."""
+    if row is None or row.state is None:
+        return render_state(None)
+    head = [STATE_HEADER, *_inferred_lines(row.state, dates)]
+    spent = sum(len(x.split()) for x in head)
+    turns: list[str] = []
+    for u in dict.fromkeys([*row.cited, *row.candidates]):
+        turns += [t for t in evidence.get(u, ()) if t in texts and t not in turns]
+    words = [len(texts[t].split()) for t in turns]
+    picked = ConversationContext._fill(range(len(turns)), words, budget - spent)
+    order = sorted(picked, key=lambda j: int(turns[j].split(":", 1)[1]))
+    if order:
+        head += ["Evidence: the conversation turns the retrieved memories rest on (in order, with dates):",
+                 *(f"[{_date(dates.get(turns[j])) if dates else 'unknown date'}] {texts[turns[j]]}" for j in order)]
+    elif len(head) == 1:
+        head.append("- (nothing relevant found)")
     return "\n".join(head)
 
 
@@ -391,9 +430,13 @@ def _contexts(s: str, cx: ConversationContext, part: list[QAQuestion], llm, word
         qv = emb.encode([q.question for q in part])
         got = cx.topk_turns(qv, words) if s == "topk_turns" else cx.topk_memories(qv, words)
         return [g[0] for g in got], [{"context_words": g[1]} for g in got]
-    states = {"qumem": cx.qumem_states, "qumem_hybrid": cx.hybrid_states, "adamem": cx.adamem_states}[s]
+    states = {"qumem": cx.qumem_states, "qumem_hybrid": cx.hybrid_states, "adamem": cx.adamem_states,
+              "qumem_evidence": cx.qumem_states}[s]
     rows = states(part, llm)
     dates, units = cx.unit_dates(), cx.unit_texts()
-    texts = [render_grounded(r, units, dates, words) for r in rows]
+    if s == "qumem_evidence":
+        texts = [render_with_evidence(r, units, dates, words, cx.evidence_turns()) for r in rows]
+    else:
+        texts = [render_grounded(r, units, dates, words) for r in rows]
     return texts, [{"context_words": len(t.split()), "state_ok": r is not None and r.state is not None}
                    for t, r in zip(texts, rows)]

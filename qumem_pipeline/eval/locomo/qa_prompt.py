@@ -3,8 +3,9 @@
 import hashlib
 import json
 
-QA_STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid")
-MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid")
+QA_STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid",
+                 "qumem_evidence")
+MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid", "qumem_evidence")
 HEADLINE = (1, 2, 3, 4)
 DEFAULT_WORDS = 512
 DEFAULT_CHUNK = 32

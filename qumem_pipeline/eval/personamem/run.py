@@ -42,8 +42,9 @@ from qumem_pipeline.eval.personamem import prompts
 from qumem_pipeline.eval.personamem.data import LETTERS, PMQuestion, default_paths, load, up_to
 from qumem_pipeline.eval.personamem.likelihood import OptionScorer, pick
 
-STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid")
-MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid")
+STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid",
+              "qumem_evidence")
+MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid", "qumem_evidence")
 METHODS = ("choice", "likelihood")
 DEFAULT_WORDS = 512
 DEFAULT_CONTEXT_TOKENS = 32768  # Qwen2.5's window; the full history is cut to fit it
