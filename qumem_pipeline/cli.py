@@ -63,6 +63,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from qumem_pipeline.eval.record_cli import main as record_main
 
         return record_main(args.rest)
+    if args.what == "personamem":
+        from qumem_pipeline.eval.personamem.run import main as personamem_main
+
+        return personamem_main(args.rest)
     from qumem_pipeline.eval.locomo.harness import main as locomo_main
 
     return locomo_main(args.rest)
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp, archive=True):
         if archive:
             sp.add_argument("--archive", help="archive file, directory or glob (default: examples/archive)")
-            sp.add_argument("--format", help="jsonl | parquet | locomo | chatgpt (default: detect)")
+            sp.add_argument("--format", help="jsonl | parquet | locomo | chatgpt | personamem (default: detect)")
             sp.add_argument("--strict", action="store_true", help="fail the run on any bad row instead of quarantining it")
         sp.add_argument("--data-root", help="where the Delta tables live: a local path or s3://, gs://, az:// (default: ./data)")
         sp.add_argument("--warehouse", help="DuckDB file (default: <data-root>/warehouse.duckdb)")
@@ -153,10 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "eval",
         help="evaluations: `segmentation PATH [--format tiage|segments] [--json]`, `segmentation-ood [--json]` "
-             "(TIAGE test beside the LoCoMo-joined OOD set), `locomo PATH [--json] ...`",
+             "(TIAGE test beside the LoCoMo-joined OOD set), `locomo PATH [--json] ...`, `personamem DIR [--json] ...`",
         description="Forwards to the evaluation's own options; see `qumem eval segmentation --help`.",
     )
-    sp.add_argument("what", choices=["segmentation", "segmentation-ood", "locomo", "record"])
+    sp.add_argument("what", choices=["segmentation", "segmentation-ood", "locomo", "personamem", "record"])
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's own arguments (PATH first)")
     sp.set_defaults(func=cmd_eval)
 

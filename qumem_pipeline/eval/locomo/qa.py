@@ -91,7 +91,7 @@ from qumem_pipeline.eval.locomo.qa_summary import _ledger_totals, _mean, build_r
 
 
 def make_backend(llm_kind: str | None):
-    """The run's backend from $QUMEM_LLM_KIND / _BASE_URL / _MODEL (vllm-managed also reads
+    """The run's backend from $QUMEM_LLM_KIND / _BASE_URL / _MODEL / _COMPACT_JSON (vllm-managed also reads
     $QUMEM_VLLM_MAX_MODEL_LEN and $QUMEM_VLLM_EXTRA_ARGS); generous request timeouts (a long prompt
     on a CPU engine with many requests in flight takes minutes, and a retry would restart it)."""
     from qumem_pipeline.llm.factory import make_backend as factory
@@ -99,8 +99,12 @@ def make_backend(llm_kind: str | None):
     kind = (llm_kind or os.environ.get("QUMEM_LLM_KIND", "local")).strip().lower()
     timeout = float(os.environ.get("QUMEM_LLM_TIMEOUT_S", "1800"))
     if kind == "openai":
+        # QUMEM_LLM_COMPACT_JSON=0 for a server started without compact JSON (the evaluation model's vLLM
+        # server is): the request then asks what that server does, and the record keys its calls the same
+        extra = ({"compact_json": os.environ["QUMEM_LLM_COMPACT_JSON"].strip().lower() not in ("0", "false", "no")}
+                 if os.environ.get("QUMEM_LLM_COMPACT_JSON") else {})
         return factory(kind, base_url=os.environ["QUMEM_LLM_BASE_URL"], model=os.environ.get("QUMEM_LLM_MODEL") or None,
-                       timeout_s=timeout)
+                       timeout_s=timeout, **extra)
     if kind in ("vllm-managed", "vllm"):
         cfg: dict = {"model": os.environ["QUMEM_LLM_MODEL"], "timeout_s": timeout}
         if os.environ.get("QUMEM_VLLM_MAX_MODEL_LEN"):
