@@ -2,6 +2,7 @@
 
     python bench/faults.py [--skip-kills] [--json]            # every scenario, erasure under load included
     python bench/faults.py --scenario erasure [--seeds 0,1,2] [--erasure-users 4 --erasure-runs 3 --erasure-forgets 2] --json
+    python bench/faults.py --scenario kills [--random-kills 20 --kill-seed 0] --json   # killed runs only
 
 Scenarios:
 - LLM endpoint faults against the fake OpenAI server process (tests/fake_openai_server.py):
@@ -689,9 +690,9 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=N_USERS)
     ap.add_argument("--episodes", type=int, default=N_EPISODES, help="episodes per user (at least 6 unless --smoke)")
     ap.add_argument("--smoke", action="store_true", help="smallest configuration: the LLM and bad-row scenarios, no killed runs")
-    ap.add_argument("--scenario", choices=("default", "erasure", "all"), default=None,
+    ap.add_argument("--scenario", choices=("default", "erasure", "all", "kills"), default=None,
                     help="default: LLM, bad-row and killed-run scenarios; erasure: only erasure under load; "
-                         "all (the default without --smoke): both")
+                         "all (the default without --smoke): both; kills: only the killed runs (fixed and random points)")
     ap.add_argument("--seeds", default="0,1,2", help="erasure: comma-separated seeds, one scenario each")
     ap.add_argument("--erasure-users", type=int, default=4, help="erasure: users in the archive")
     ap.add_argument("--erasure-runs", type=int, default=3, help="erasure: concurrent pipeline runs (run / main_job / ingest_job)")
@@ -718,6 +719,8 @@ def main() -> int:
     try:
         if base:
             rows.extend(base_scenarios(work, expected, not args.skip_kills, points, args.random_kills, args.kill_seed))
+        elif args.scenario == "kills":
+            rows.extend(kill_scenarios(work, points, args.random_kills, args.kill_seed))
         if erasure:
             erows, erasure_summary = erasure_scenarios(work, seeds, n_users=args.erasure_users,
                                                        n_runs=args.erasure_runs, n_forgets=args.erasure_forgets,
@@ -755,7 +758,8 @@ def main() -> int:
                "total_repeated_calls": sum(r["repeated_calls"] or 0 for r in rows if r not in random_rows),
                "random_kills": random_summary,
                "config": {"scenario": args.scenario, "users": N_USERS, "episodes_per_user": N_EPISODES,
-                          "kill_points": [] if args.skip_kills or not base else [p for p, _ in points]}}
+                          "kill_points": [] if args.skip_kills or not (base or args.scenario == "kills")
+                          else [p for p, _ in points]}}
         if erasure_summary is not None:
             for r in erasure_summary["seeds"]:
                 for k in ("wall_s", "concurrent_wall_s", "reference_wall_s"):
