@@ -7,9 +7,11 @@ converted model's output is sane. Idempotent; run it in CI before the tests.
 This is the only place the project downloads a model: at run time the pipeline reads the cache and
 fails with `ModelUnavailable` (naming this command) when the model is missing.
 
-    python scripts/install_llm_model.py
+    python scripts/install_llm_model.py                              # the default (QUMEM_LLM_LOCAL_MODEL, else model_store.DEFAULT_MODEL)
+    python scripts/install_llm_model.py --model qwen2.5-coder-0.5b   # another candidate (model_store.CANDIDATES)
 """
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,9 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qumem_pipeline.llm import model_store  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help=f"one of {', '.join(model_store.CANDIDATES)} (default: the default model)")
+    args = ap.parse_args(argv)
+    spec = model_store.spec_named(args.model) if args.model else model_store.local_spec()
     t0 = time.time()
-    out = model_store.ensure_model_dir(allow_download=True)
+    out = model_store.ensure_model_dir(spec, allow_download=True)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -92,20 +92,35 @@ def onednn_linear_available() -> bool:
         return False
 
 
-def _pack(w):
+def _pack(w, bf16: bool = False):
     """A weight [out, in] in oneDNN's blocked layout for x @ w^T. Why: MKL's sgemm lays the weight out
     again on every call, which a decode step's few rows do not pay back (one thread, 48 rows: 576x3072
     55 GFLOP/s with torch.mm, 93 reordered; the LM head 576x49152 50 against 97); a row's result is
-    also the same whatever the other rows (torch.mm's is not)."""
+    also the same whatever the other rows (torch.mm's is not). `bf16`: the weight in bfloat16, which
+    oneDNN runs on AMX / AVX512-BF16 (`bf16_weights_available`)."""
     import torch
 
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach().float().contiguous(), PACK_ROWS)
+    w = w.detach().contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(w.bfloat16() if bf16 else w.float(), PACK_ROWS)
+
+
+def bf16_weights_available() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls natively here (AMX or AVX512-BF16) and the packed path is on."""
+    try:
+        import torch
+
+        return onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001 - an older/other build: float32
+        return False
 
 
 def _mm(x, wt, b=None):
     import torch
 
     if wt.is_mkldnn:
+        if wt.dtype == torch.bfloat16:  # bf16 weights: the product in bf16, accumulated and returned in float32
+            y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), wt, None, "none", [], "").float()
+            return y if b is None else y.add_(b)
         return torch.ops.mkldnn._linear_pointwise(x, wt, b, "none", [], "")
     return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
 
@@ -125,7 +140,7 @@ class _LeanLM:
 
     SUPPORTED = ("llama", "qwen2", "mistral")
 
-    def __init__(self, model, packed: bool | None = None) -> None:
+    def __init__(self, model, packed: bool | None = None, bf16: bool = False) -> None:
         import torch
 
         cfg = model.config
@@ -149,7 +164,10 @@ class _LeanLM:
             return w.reshape(n, self.hd, *w.shape[1:])[:, perm].reshape(w.shape)
 
         self.packed = onednn_linear_available() if packed is None else bool(packed)
-        wt = _pack if self.packed else _t  # a weight as _mm takes it
+        self.bf16 = bool(bf16) and self.packed
+
+        def wt(w):  # a weight as _mm takes it
+            return _pack(w, self.bf16) if self.packed else _t(w)
         self.layers = []
         with torch.no_grad():
             for layer in base.layers:
@@ -490,16 +508,24 @@ class LocalBackend(BackendBase):
 
         import qumem_pipeline.llm.model_store as model_store
 
-        if model_dir is None:
-            model_dir = os.environ.get("QUMEM_LLM_MODEL_DIR") or model_store.ensure_model_dir(allow_download=allow_download)
-            default_name = model_store.DEFAULT_MODEL.name
+        if model_dir is None and not os.environ.get("QUMEM_LLM_MODEL_DIR"):
+            # the installed default, or the candidate QUMEM_LLM_LOCAL_MODEL names (model_store.local_spec)
+            model_dir = model_store.ensure_model_dir(allow_download=allow_download)
+            default_name = model_store.local_spec().name
         else:
+            model_dir = model_dir or os.environ["QUMEM_LLM_MODEL_DIR"]
             default_name = os.path.basename(os.path.normpath(str(model_dir)))
         self.model_dir = str(model_dir)
         self.model_name = model_name or default_name
         # the schema bounds this model decodes against (model_profiles.ModelProfile.output_bounds): part of
         # the backend's decoding identity, so records and checkpoints of other bounds are not served
         self.output_bounds = profile_for(self.model_dir).output_bounds or profile_for(self.model_name).output_bounds
+        # bf16 weights (ModelProfile.weights, QUMEM_LLM_WEIGHTS=f32|bf16) where oneDNN runs them natively; the
+        # outputs differ from float32's, so the model name says so (records and checkpoints keep them apart)
+        weights = profile_for(self.model_dir).weights or profile_for(self.model_name).weights
+        bf16 = weights == "bf16" and bf16_weights_available()
+        if bf16:
+            self.model_name += "@bf16"
         threads = num_threads or int(os.environ.get("QUMEM_LLM_THREADS", "0")) or (os.cpu_count() or 1)
         torch.set_num_threads(threads)
         self.batch_size = max(1, int(batch_size))
@@ -512,7 +538,12 @@ class LocalBackend(BackendBase):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
-        self.engine = _LeanLM(self.model)
+        self.engine = _LeanLM(self.model, bf16=bf16)
+        if self.engine.bf16:
+            # the engine holds its own bf16 copy of every layer: the modules' float32 layers (1.4 GB for a 0.5B
+            # model) go, or a run beside other jobs is killed for memory (it was, at 4 GB resident)
+            for layer in self.model.model.layers:
+                layer.to("meta")
         self.vocab_size = int(self.model.config.vocab_size)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id)

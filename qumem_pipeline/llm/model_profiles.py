@@ -24,6 +24,10 @@ class ModelProfile:
     # so the bounds, not the content, set its cost: on the example archive's 51 decomposition calls the cut
     # bounds took 7,440 completion tokens against 17,158 (same 51 calls parsed) and a third of the decode time.
     output_bounds: str | None = None
+    # The embedded engine's matmul weights: "bf16" where oneDNN runs bfloat16 natively (AMX / AVX512-BF16;
+    # elsewhere float32), None: float32. Why: a 0.5B model's prefill and decode are matmul-bound, and on
+    # the 2-core AMX box bf16 ran a 896x9728 product 3x (64 rows) to 6x (512 rows) faster than float32.
+    weights: str | None = None
 
 
 DEFAULT_PROFILE = ModelProfile(family="default", compact_json=True)
@@ -31,6 +35,8 @@ DEFAULT_PROFILE = ModelProfile(family="default", compact_json=True)
 # (substring of the lower-cased model name, profile); first match wins, so specific before general.
 PROFILES: tuple[tuple[str, ModelProfile], ...] = (
     ("smollm2", ModelProfile(family="smollm2", compact_json=True, output_bounds="items/3,chars/2")),
+    # the embedded 0.5B runs bf16 weights; the 1.5B evaluation model (served by vLLM) keeps its own settings
+    ("qwen2.5-coder-0.5b", ModelProfile(family="qwen2.5-coder", compact_json=False, weights="bf16")),
     ("qwen2.5-coder", ModelProfile(family="qwen2.5-coder", compact_json=False)),
     ("qwen2.5", ModelProfile(family="qwen2.5", compact_json=False)),
 )
@@ -69,6 +75,11 @@ def profile_for(model: str, env: dict[str, str] | None = None) -> ModelProfile:
         prof = replace(prof, compact_json=False)
     elif raw:
         raise ValueError(f"QUMEM_VLLM_COMPACT_JSON={raw!r}: expected 1/0, true/false, yes/no, on/off")
+    weights = str(env.get("QUMEM_LLM_WEIGHTS", "")).strip().lower()
+    if weights:
+        if weights not in ("f32", "bf16"):
+            raise ValueError(f"QUMEM_LLM_WEIGHTS={weights!r}: expected f32 or bf16")
+        prof = replace(prof, weights=None if weights == "f32" else weights)
     bounds = str(env.get("QUMEM_LLM_OUTPUT_BOUNDS", "")).strip()
     if bounds:
         prof = replace(prof, output_bounds=None if bounds == "full" else (_parse_bounds(bounds) and bounds))
