@@ -39,8 +39,15 @@ def quality_note(models: Sequence[dict]) -> str:
     if not models:
         return "Quality: no LLM call was made for these users (no episodes or no queries)."
     embedded = [m for m in models if m.get("backend") == "local" or "smollm2" in str(m.get("model", "")).lower()]
-    if embedded:
+    if any("smollm2" in str(m.get("model", "")).lower() for m in embedded):
         return EMBEDDED_NOTE
+    if embedded:
+        names = ", ".join(sorted({str(m["model"]) for m in embedded}))
+        return (f"Quality: these memories and states come from the embedded {names}, a small model run on CPU "
+                "(bench/embedded_models.py rates its output: grounded memories, template slots, repeats). Expect plain "
+                "but short memories and states that miss what a larger model finds. For stronger output, point the LLM "
+                "stages at an OpenAI-compatible server (e.g. vLLM): "
+                "QUMEM_LLM_KIND=openai QUMEM_LLM_BASE_URL=http://HOST:8000/v1 .venv/bin/qumem run  (docs/models.md).")
     names = ", ".join(f"{m['model']} ({m['backend']})" for m in models)
     return (f"Quality: memories and states come from {names}. Judge them by the samples above and "
             "`qumem show USER_ID`; figures for the models we tried are in docs/models.md and docs/evaluation.md.")

@@ -124,3 +124,11 @@ def test_install_script_names_the_candidates():
     out = subprocess.run([sys.executable, "scripts/install_llm_model.py", "--help"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert out.returncode == 0 and all(k in out.stdout for k in model_store.CANDIDATES)
+
+
+def test_quality_note_names_the_embedded_candidate():
+    from qumem_pipeline.summary import EMBEDDED_NOTE, quality_note
+
+    assert quality_note([{"backend": "local", "model": "SmolLM2-135M-Instruct-Q4_1"}]) == EMBEDDED_NOTE
+    note = quality_note([{"backend": "local", "model": "Qwen2.5-Coder-0.5B-Instruct-Q4@bf16"}])
+    assert "embedded Qwen2.5-Coder-0.5B-Instruct-Q4@bf16" in note and "SmolLM2" not in note
