@@ -16,6 +16,7 @@ settings (a decoding fix measured against the same model's plain row).
     python bench/embedded_models.py --json                              # every candidate in model_store.CANDIDATES
     python bench/embedded_models.py --models smollm2-135m --variant full-bounds:QUMEM_LLM_OUTPUT_BOUNDS=full --json
     python bench/embedded_models.py --rates DIR --json                  # the rates of an earlier run's data root
+    python bench/embedded_models.py --checkpoints DIR,DIR --json        # memory rates on the calls both runs finished
 """
 
 import argparse
@@ -108,6 +109,33 @@ def samples(data_root: Path) -> dict:
     return out
 
 
+def compare_checkpoints(roots: list[Path]) -> dict:
+    """Memory rates of each root's finished decomposition calls, restricted to the calls all roots finished."""
+    import polars as pl
+
+    from qumem_pipeline.storage.table_store import TableStore
+
+    mems, turns = [], None
+    for root in roots:
+        store = TableStore(str(root))
+        ck = store.read("memory_checkpoints")
+        ck = ck.filter(~pl.col("user_placeholder").fill_null(False))
+        mems.append((root, ck, readability.checkpoint_memories(ck)))
+        t = store.read("turns")
+        turns = t.filter(~pl.col("user_placeholder").fill_null(False)) if turns is None else turns
+    common = None
+    for _, ck, _ in mems:
+        calls = set(ck.filter(pl.col("status") == "ok").select("user_id", "episode_id", "type").iter_rows())
+        common = calls if common is None else common & calls
+    out = {"bench": "embedded_models", "mode": "checkpoints", "common_calls": len(common or ()), "rows": []}
+    for root, ck, m in mems:
+        keep = m.filter(pl.struct("user_id", "episode_id", "type").map_elements(
+            lambda r: (r["user_id"], r["episode_id"], r["type"]) in common, return_dtype=pl.Boolean))
+        got = readability.memory_rates(keep, turns)
+        out["rows"].append({"data_root": str(root), "finished_calls": ck.height, **got, "misses": readability.misses(got)})
+    return out
+
+
 COLUMNS = [("model", "model", 26), ("wall_s", "wall s", 7), ("cpu_s", "cpu s", 7), ("load_before", "load", 5),
            ("schema_valid_rate", "valid", 6), ("memories", "mems", 5), ("template_slot_rate", "slots", 6),
            ("near_empty_rate", "empty", 6), ("repeated_phrase_rate", "repeat", 6), ("grounded_rate", "ground", 6),
@@ -135,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant-model", help="the model the variants run (default: the first of --models)")
     ap.add_argument("--out", type=Path, default=OUT, help="where each run's fresh directory goes (default .artifacts/embedded_models)")
     ap.add_argument("--rates", type=Path, help="only the readability rates of this existing data root")
+    ap.add_argument("--checkpoints", help="comma-separated data roots: memory rates from each one's memory_checkpoints, "
+                    "on the (episode, type) calls every one of them finished (runs stopped mid-stage included)")
     ap.add_argument("--parallel", action="store_true",
                     help="run the rows at the same time (each under the same load; compare cpu_s and wall_s ratios)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -143,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         got = readability.read_run(str(args.rates))
         got["misses"] = readability.misses(got)
         print(json.dumps(got, indent=None if args.json else 2))
+        return 0
+    if args.checkpoints:
+        print(json.dumps(compare_checkpoints([Path(d) for d in args.checkpoints.split(",") if d])))
         return 0
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     for k in keys:

@@ -125,3 +125,17 @@ def test_evidence_is_looked_up_per_user():
     assert rd.memory_rates(moved, turns)["grounded_rate"] == 0.0
     missing = memories.with_columns(pl.lit([9]).alias("evidence_turn_ids"))
     assert rd.memory_rates(missing, turns)["evidence_ids_not_found"] == 4
+
+
+def test_checkpoint_outputs_become_memory_rows():
+    ck = pl.DataFrame({
+        "key": ["k" * 64, "q" * 64], "user_id": ["u1", "u1"], "episode_id": ["e1", "e1"], "type": ["fact", "insight"],
+        "status": ["ok", "quarantined"],
+        "output": [json.dumps({"memories": [{"content": "Alice went vegan in April", "evidence_turn_ids": [0]},
+                                            {"content": "The user [user_name]", "evidence_turn_ids": [0, 1]}]}), None],
+    })
+    got = rd.checkpoint_memories(ck)
+    assert got["content"].to_list() == ["Alice went vegan in April", "The user [user_name]"]  # the quarantined call adds none
+    assert got["evidence_turn_ids"].to_list() == [[0], [0, 1]] and got["memory_id"].n_unique() == 2
+    _, turns, *_ = _tables()
+    assert rd.memory_rates(got, turns)["template_slot_rate"] == 0.5

@@ -239,6 +239,20 @@ def misses(figures: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def checkpoint_memories(checkpoints: pl.DataFrame) -> pl.DataFrame:
+    """Memory rows (user_id, episode_id, type, content, evidence_turn_ids) from `memory_checkpoints`' parsed
+    outputs: what a run had decomposed before it stopped (a run killed mid-stage still has them)."""
+    rows = []
+    for c in checkpoints.filter(pl.col("status") == "ok").iter_rows(named=True):
+        for i, m in enumerate((json.loads(c["output"] or "{}") or {}).get("memories") or []):
+            rows.append({"memory_id": f"{c['key'][:12]}-{i}", "user_id": c["user_id"], "episode_id": c["episode_id"],
+                         "type": c["type"], "content": str(m.get("content") or ""),
+                         "evidence_turn_ids": [int(x) for x in m.get("evidence_turn_ids") or []]})
+    schema = {"memory_id": pl.String, "user_id": pl.String, "episode_id": pl.String, "type": pl.String,
+              "content": pl.String, "evidence_turn_ids": pl.List(pl.Int64)}
+    return pl.DataFrame(rows, schema=schema)
+
+
 def read_run(data_root: str, users: Sequence[str] | None = None) -> dict[str, Any]:
     """`rates` of the tables under a run's data root (placeholder rows dropped)."""
     from qumem_pipeline.storage.table_store import TableStore
