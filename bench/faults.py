@@ -2,7 +2,7 @@
 
     python bench/faults.py [--skip-kills] [--json]            # every scenario, erasure under load included
     python bench/faults.py --scenario erasure [--seeds 0,1,2] [--erasure-users 4 --erasure-runs 3 --erasure-forgets 2] --json
-    python bench/faults.py --scenario kills [--random-kills 20 --kill-seed 0] --json   # killed runs only
+    python bench/faults.py --scenario kills [--random-kills 20 --kill-seed 0] [--kill-points ''] --json   # killed runs only
 
 Scenarios:
 - LLM endpoint faults against the fake OpenAI server process (tests/fake_openai_server.py):
@@ -19,11 +19,15 @@ Scenarios:
   equals the uninterrupted run's and no temp file is left (clean row: a second uninterrupted run
   equals the first); `rows_quarantined` = rows of the quarantine tables after the rerun;
   `repeated_calls` = valid answers (killed run + rerun) per request beyond the clean run's (clean row: null,
-  it is the reference). Beside the fixed points, `--random-kills N` (default 20) runs killed at seed-chosen
-  finished LLM calls (`llm.call_recorded`, `--kill-seed`), wherever the checkpoint buffer stands: their
-  `repeated_calls` may be above 0, up to the documented window (memories/recording.py: the unflushed
-  buffer, at most flush_every_n - 1, plus the answers in flight), reported as "random_kills" {repeated_calls
-  per kill, total, max, bound_per_kill, within_bound}; the exit status requires every one within the bound.
+  it is the reference).
+- Random kills: a decomposition (the LLM scenarios' episodes, checkpoints in a Delta table) killed in a
+  child process (exit 137) at each of `--random-kills N` (default 20) seed-chosen finished LLM calls
+  (`llm.call_recorded`, `--kill-seed`), wherever the checkpoint buffer stands, not only right after a
+  flush, then rerun from its checkpoints (`kill:decompose#i`); `--pipeline-random-kills M` does the same
+  to `qumem run` (`kill:random#i`, a whole pipeline run and rerun each). Their `repeated_calls` may be
+  above 0, up to the documented window (memories/recording.py: the unflushed buffer, at most
+  flush_every_n - 1, plus the answers in flight), reported as "random_kills" {repeated_calls per kill,
+  total, max, bound_per_kill, within_bound}; the exit status requires every one within its bound.
 - Bad input rows through ingest validation: every valid row arrives, every bad one is quarantined
   (`repeated_calls` is null: no LLM call is made).
 - Erasure under load (`--scenario erasure`, or `all` with the others; issue 27), per seed: an archive of
@@ -234,16 +238,64 @@ def quarantined_rows(data_root: Path) -> int:
 RANDOM_KILL_POINT = "llm.call_recorded"  # every finished LLM call, its checkpoint group flushed or not
 
 
-def kill_window() -> int:
+def kill_window(in_flight: int = 64) -> int:
     """The most finished calls a kill -9 may leave unrecorded, so a rerun pays again (memories/recording.py):
     the checkpoint buffer (flush_every_n - 1 calls; fewer when calls finish slower than flush_every_s) plus
-    the answers that arrived but were not yet handed over (the backend's calls in flight)."""
+    the answers that arrived but were not yet handed over (the backend's calls in flight: OpenAIBackend's
+    default max_concurrency 64 for `qumem run`, this bench's backend() 8)."""
     from qumem_pipeline.memories.stage import CHECKPOINT_FLUSH_CALLS
 
-    return CHECKPOINT_FLUSH_CALLS - 1 + 64  # OpenAIBackend's default max_concurrency
+    return CHECKPOINT_FLUSH_CALLS - 1 + in_flight
+
+
+DECOMPOSE_CHILD = "--decompose-child"  # argv[1] of the child a decomposition kill runs
+
+
+def decompose_child(url: str, store_root: str) -> int:
+    """The killed process: the decomposition over `episodes()` with its checkpoints under `store_root`."""
+    with backend(url, timeout_s=120.0) as be:
+        decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(store_root))
+    return 0
+
+
+def decompose_kill_scenarios(work: Path, n_kills: int, seed: int, expected: int) -> list[dict]:
+    """A decomposition killed (exit 137, like kill -9) at `n_kills` seed-chosen finished calls, wherever the
+    checkpoint buffer stands, then rerun from its checkpoints against the same server (one log per kill)."""
+    import random
+
+    t0 = time.perf_counter()
+    with RunningFakeServer({"default": [ECHO]}, work / "dk-clean") as srv, backend(srv.base_url, timeout_s=120.0) as be:
+        clean_out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(work / "dk-clean-store"))
+        n_calls = sum(valid_answers(srv).values())
+    clean_wall = time.perf_counter() - t0
+    reference = call_outcomes(clean_out)
+    rng = random.Random(seed)
+    hits = rng.sample(range(1, n_calls + 1), min(n_kills, n_calls))
+    hits += [rng.randint(1, n_calls) for _ in range(n_kills - len(hits))]
+    rows = []
+    for i, hit in enumerate(hits):
+        w = work / f"dk-{i + 1}"
+        t0 = time.perf_counter()
+        with RunningFakeServer({"default": [ECHO]}, w / "srv") as srv:
+            env = {**os.environ, "QUMEM_FAULT_KILL_AT": f"{RANDOM_KILL_POINT}:{hit}"}
+            k = subprocess.run([sys.executable, str(Path(__file__).resolve()), DECOMPOSE_CHILD, srv.base_url,
+                                str(w / "store"), str(N_USERS), str(N_EPISODES)],
+                               env=env, capture_output=True, text=True, timeout=900)
+            with backend(srv.base_url, timeout_s=120.0) as be:
+                out = decompose_episodes(episodes(), be, created_at=T0, checkpoint=CheckpointStore(w / "store"))
+            repeated = repeated_calls(srv)
+        wall = time.perf_counter() - t0
+        rows.append({"scenario": f"kill:decompose#{i + 1}", "injected": f"exit 137 at {RANDOM_KILL_POINT} (hit {hit})",
+                     "recovered": k.returncode == 137 and recovered_vs_clean(out, reference),
+                     "rows_expected": expected, "rows_out": outcome_rows(out), "rows_quarantined": out.quarantine.height,
+                     "rows_lost": expected - outcome_rows(out), "repeated_calls": repeated, "wall_s": wall,
+                     "slowdown": wall / clean_wall, "window": kill_window(8)})
+    return rows
 
 
 def kill_scenarios(work: Path, points=KILL_POINTS, random_kills: int = 0, kill_seed: int = 0) -> list[dict]:
+    if not points and not random_kills:  # `--kill-points ''`: the decomposition kills alone
+        return []
     rows = []
     with RunningFakeServer({"default": [ECHO]}, work / "kill-srv") as srv:
         clean = work / "clean"
@@ -285,7 +337,8 @@ def kill_scenarios(work: Path, points=KILL_POINTS, random_kills: int = 0, kill_s
                               and not temp_files(w / "data"),
                               "rows_expected": base_rows, "rows_out": got,
                               "rows_quarantined": quarantined_rows(w / "data") if r.returncode == 0 else None,
-                              "rows_lost": base_rows - got, "repeated_calls": repeated, "wall_s": wall})
+                              "rows_lost": base_rows - got, "repeated_calls": repeated, "wall_s": wall,
+                              **({"window": kill_window()} if point == RANDOM_KILL_POINT else {})})
         # the first clean run pays cold caches (imports, model files): time a second one, keep the faster;
         # the clean row is `recovered` when that second uninterrupted run equals the first (determinism)
         again = work / "clean2"
@@ -644,7 +697,8 @@ def print_erasure(summary: dict) -> None:
           + "".join(f"{summary[k]:>12}" for k in keys))
 
 
-def base_scenarios(work: Path, expected: int, kills: bool, points, random_kills: int = 0, kill_seed: int = 0) -> list[dict]:
+def base_scenarios(work: Path, expected: int, kills: bool, points, random_kills: int = 0, kill_seed: int = 0,
+                   pipeline_random_kills: int = 0) -> list[dict]:
     """The LLM endpoint, bad-row and (unless `kills` is false) killed-run scenarios."""
     rows = []
     clean, clean_out = llm_scenario("clean", "-", [], work, expected)
@@ -674,18 +728,25 @@ def base_scenarios(work: Path, expected: int, kills: bool, points, random_kills:
     rows.append(bad_rows_scenario(work))
     rows[-1]["slowdown"] = None
     if kills:
-        rows.extend(kill_scenarios(work, points, random_kills, kill_seed))
+        rows.extend(decompose_kill_scenarios(work, random_kills, kill_seed, expected))
+        rows.extend(kill_scenarios(work, points, pipeline_random_kills, kill_seed))
     return rows
 
 
 def main() -> int:
     global N_USERS, N_EPISODES
+    if len(sys.argv) > 1 and sys.argv[1] == DECOMPOSE_CHILD:  # a decomposition kill's child process
+        N_USERS, N_EPISODES = int(sys.argv[4]), int(sys.argv[5])
+        return decompose_child(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-kills", action="store_true", help="skip the killed-run scenarios (about 6 minutes on 2 cores)")
     ap.add_argument("--kill-points", default=",".join(p for p, _ in KILL_POINTS),
                     help="comma-separated fault points for the killed runs (default: all)")
     ap.add_argument("--random-kills", type=int, default=20,
-                    help=f"killed runs at seed-chosen finished LLM calls ({RANDOM_KILL_POINT}), beside the fixed points")
+                    help=f"a decomposition killed at this many seed-chosen finished LLM calls ({RANDOM_KILL_POINT})")
+    ap.add_argument("--pipeline-random-kills", type=int, default=0,
+                    help="`qumem run` killed at this many seed-chosen finished LLM calls, beside the fixed points "
+                         "(each a killed run and a rerun of the whole pipeline)")
     ap.add_argument("--kill-seed", type=int, default=0, help="seed of the random kill points")
     ap.add_argument("--users", type=int, default=N_USERS)
     ap.add_argument("--episodes", type=int, default=N_EPISODES, help="episodes per user (at least 6 unless --smoke)")
@@ -718,9 +779,11 @@ def main() -> int:
     rows, erasure_summary = [], None
     try:
         if base:
-            rows.extend(base_scenarios(work, expected, not args.skip_kills, points, args.random_kills, args.kill_seed))
+            rows.extend(base_scenarios(work, expected, not args.skip_kills, points, args.random_kills, args.kill_seed,
+                                       args.pipeline_random_kills))
         elif args.scenario == "kills":
-            rows.extend(kill_scenarios(work, points, args.random_kills, args.kill_seed))
+            rows.extend(decompose_kill_scenarios(work, args.random_kills, args.kill_seed, expected))
+            rows.extend(kill_scenarios(work, points, args.pipeline_random_kills, args.kill_seed))
         if erasure:
             erows, erasure_summary = erasure_scenarios(work, seeds, n_users=args.erasure_users,
                                                        n_runs=args.erasure_runs, n_forgets=args.erasure_forgets,
@@ -736,17 +799,18 @@ def main() -> int:
     total = sum(r["rows_lost"] for r in rows)
     print(f"total rows lost: {total}; all recovered: {all(r['recovered'] for r in rows)}")
     # random kills repay at most the documented window each (memories/recording.py); every other row 0
-    random_rows = [r for r in rows if r["scenario"].startswith("kill:random#")]
-    window = kill_window()
+    random_rows = [r for r in rows if "window" in r]  # kill:decompose#i and kill:random#i
     random_summary = None
     if random_rows:
         reps = [r["repeated_calls"] for r in random_rows]
         random_summary = {"point": RANDOM_KILL_POINT, "kills": len(random_rows), "seed": args.kill_seed,
+                          "scenarios": [r["scenario"] for r in random_rows],
                           "hits": [int(r["injected"].rsplit("hit ", 1)[1].rstrip(")")) for r in random_rows],
                           "repeated_calls": reps, "repeated_calls_total": sum(reps), "repeated_calls_max": max(reps),
-                          "bound_per_kill": window, "within_bound": all(n <= window for n in reps)}
+                          "bound_per_kill": sorted({r["window"] for r in random_rows}),
+                          "within_bound": all(r["repeated_calls"] <= r["window"] for r in random_rows)}
         print(f"random kills: {len(reps)} at {RANDOM_KILL_POINT}; repeated calls total {sum(reps)}, max {max(reps)} "
-              f"(bound per kill {window})")
+              f"(bound per kill {random_summary['bound_per_kill']})")
     if erasure_summary is not None:
         print_erasure(erasure_summary)
     if args.json:

@@ -101,8 +101,8 @@ def test_faults_one_killed_run():
     kill, clean = rows["kill:decompose.batch"], rows["kill:none (clean run)"]
     assert kill["recovered"] and clean["recovered"] and kill["rows_lost"] == 0
     assert kill["repeated_calls"] == 0 and kill["rows_quarantined"] == clean["rows_quarantined"]
-    # one kill at a random finished call: recovered, its repeats within the documented window
-    rnd, summary = rows["kill:random#1"], got["random_kills"]
+    # a decomposition killed at one random finished call: recovered, its repeats within the documented window
+    rnd, summary = rows["kill:decompose#1"], got["random_kills"]
     assert rnd["recovered"] and rnd["rows_lost"] == 0
     assert summary["kills"] == 1 and summary["repeated_calls"] == [rnd["repeated_calls"]] and summary["within_bound"]
     assert got["total_repeated_calls"] == 0  # the fixed points and endpoint faults: none paid twice
