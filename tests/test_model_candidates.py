@@ -132,3 +132,49 @@ def test_quality_note_names_the_embedded_candidate():
     assert quality_note([{"backend": "local", "model": "SmolLM2-135M-Instruct-Q4_1"}]) == EMBEDDED_NOTE
     note = quality_note([{"backend": "local", "model": "Qwen2.5-Coder-0.5B-Instruct-Q4@bf16"}])
     assert "embedded Qwen2.5-Coder-0.5B-Instruct-Q4@bf16" in note and "SmolLM2" not in note
+
+
+def test_bf16_engine_on_a_tiny_qwen2_follows_the_float32_one(tmp_path, monkeypatch):
+    """The bf16 path end to end on a tiny random Qwen2 model (the 0.5B candidate's layout, named so its profile picks
+    bf16): the backend names itself `@bf16`, drops the modules' float32 layers, and its logits follow float32's."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from qumem_pipeline.llm.base import ChatRequest
+    from qumem_pipeline.llm.local_backend import LocalBackend, bf16_weights_available
+
+    if not bf16_weights_available():
+        pytest.skip("oneDNN has no native bf16 here: the engine keeps float32 weights")
+    try:
+        tok_dir = model_store.ensure_model_dir(model_store.SMOLLM2_135M)  # its tokenizer only
+    except model_store.ModelUnavailable:
+        pytest.skip("the SmolLM2 tokenizer is not installed here")
+    monkeypatch.delenv("QUMEM_LLM_WEIGHTS", raising=False)
+    d = tmp_path / "tiny-qwen2.5-coder-0.5b"
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok_dir / f).exists():
+            shutil.copy(tok_dir / f, d / f)
+    bf = LocalBackend(model_dir=d, num_threads=1)
+    monkeypatch.setenv("QUMEM_LLM_WEIGHTS", "f32")
+    f32 = LocalBackend(model_dir=d, num_threads=1)
+    assert bf.engine.bf16 and bf.model_name.endswith("@bf16")
+    assert not f32.engine.bf16 and not f32.model_name.endswith("@bf16")
+    assert all(p.device.type == "meta" for p in bf.model.model.layers.parameters())
+    ids = bf.prompt_token_ids([{"role": "user", "content": "Say hello in JSON."}])
+    with torch.inference_mode():
+        outs = []
+        for be in (bf, f32):
+            be.engine.reserve(1, 8, 1, len(ids) + 8)
+            outs.append(be.engine.prefill(0, 0, ids, 0, len(ids))[0])
+            be.engine.release()
+    want, got = outs[1], outs[0]
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
+    [r] = bf.generate([ChatRequest("r1", [{"role": "user", "content": "JSON please"}], json_schema=schema, max_tokens=24)])
+    assert r.finish_reason in ("stop", "length") and (r.ok or r.finish_reason == "length")
