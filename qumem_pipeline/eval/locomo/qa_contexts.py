@@ -88,7 +88,9 @@ class ConversationContext:
         to_primary = {d: t for t, d in conv.dia_by_user_turn[conv.user_id].items()}
         owner_name = {}
         for u, g in (conv.turns_by_user or {}).items():
-            names = g.filter(pl.col("role") == "user")["speaker"].unique().to_list()
+            # the name of the user's first turn: a history whose user speaks under several names (PersonaMem's
+            # "Patient" and "User") gets one, the same every run (an unordered unique() picked one by chance)
+            names = g.sort("turn_index").filter(pl.col("role") == "user")["speaker"].unique(maintain_order=True).to_list()
             owner_name[u] = names[0] if names else u
         ts_of = dict(zip(self.turn_index, self.ts))
         rows = []
