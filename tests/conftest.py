@@ -167,6 +167,7 @@ SYSTEM_TIER = frozenset({
     "test_eval_stop.py",
     "test_cli_forget.py",
     "test_second_reader.py",
+    "test_personamem_record.py",
 })
 
 

@@ -1,0 +1,31 @@
+"""The published PersonaMem table (docs/evaluation.md#personamem) regenerated from eval_record/ alone, with no
+model: every figure equal to its committed JSON, each comparison with its n and interval. System tier: the
+replay decomposes the context again from the record and embeds its memories (minutes on two cores)."""
+
+import json
+
+import pytest
+
+from qumem_pipeline.eval.record import REPO_ROOT, EvalRecord
+from qumem_pipeline.runtime.datasets import ENV_VAR, shared_datasets_dir
+
+RECORD_ROOT = REPO_ROOT / "eval_record"
+TABLE = "personamem_qwen15b_ctx1_dev"
+PM = shared_datasets_dir() / "personamem"
+
+
+@pytest.mark.skipif(not (PM / "questions_128k.csv").exists(), reason=f"PersonaMem files not at {PM} (set {ENV_VAR})")
+def test_the_personamem_table_replays_from_the_record_with_no_model(monkeypatch, capsys):
+    from qumem_pipeline.eval.record_cli import check
+
+    monkeypatch.setenv("QUMEM_LLM_KIND", "no-such-backend")  # any model start would fail loudly
+    path = RECORD_ROOT / "tables" / f"{TABLE}.json"
+    assert path.is_file(), f"{path} not committed"
+    rc = check(EvalRecord(RECORD_ROOT), [TABLE], as_json=True)
+    out = capsys.readouterr().out
+    assert rc == 0 and json.loads(out.strip().splitlines()[-1]) == {"tables": {TABLE: "same"}, "rc": 0}, out
+    fig = json.loads(path.read_text())["figures"]
+    assert fig["replayed"]["missing_calls"] == 0 and fig["n_questions"] > 0
+    assert {"none", "topk_turns", "qumem", "adamem"} <= set(fig["accuracy"])
+    for s, v in fig["vs_topk_turns"].items():
+        assert 0 < v["n"] <= fig["n_scored"][s] and v["ci95"][0] <= v["delta"] <= v["ci95"][1], s
