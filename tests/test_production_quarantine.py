@@ -58,7 +58,8 @@ def test_production_quarantines_a_bad_row_and_carries_on(production):
 
     assert DataLayout(data_root).read_user_table("turns", "alice").height == 4
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
-    assert checks == {"schema_conforms": True, "quarantine_under_ceiling": True}
+    assert checks == {"schema_conforms": True, "quarantine_under_ceiling": True,
+                      "personalization_evidence_turns_exist": True}
     assert {m.asset_key.to_user_string() for m in result.get_asset_materialization_events()} == {"turns", "warehouse"}
 
 
