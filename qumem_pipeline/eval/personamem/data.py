@@ -124,10 +124,7 @@ def load(contexts_path: str | Path, questions_path: str | Path, *, contexts: Seq
     for (uid,), t in sorted(turns.partition_by("user_id", as_dict=True).items()):
         if keep is not None and uid not in keep:
             continue
-        t = t.sort("turn_index")
-        convs.append(Conversation(sample_id=uid, user_id=uid, user_ids=[uid], turns=t,
-                                  dia_by_user_turn={uid: dict(zip(t["turn_index"].to_list(), t["source_ref"].to_list()))},
-                                  speaker_prefix=True, turns_by_user={uid: t}))
+        convs.append(_conversation(uid, t.sort("turn_index")))
     last = {c.sample_id: int(c.turns["turn_index"].max()) for c in convs}
     questions = [_with_as_of(q, last[q.sample_id]) for q in questions if q.sample_id in last]
     info = {"contexts_file": str(contexts_path), "questions_file": str(questions_path),
@@ -145,12 +142,15 @@ def _with_as_of(q: PMQuestion, last: int) -> PMQuestion:
     return replace(q, as_of=last)
 
 
+def _conversation(uid: str, turns: pl.DataFrame) -> Conversation:
+    """One user's context as the harness's conversation (the user is its only speaker-user)."""
+    return Conversation(sample_id=uid, user_id=uid, user_ids=[uid], turns=turns,
+                        dia_by_user_turn={uid: dict(zip(turns["turn_index"].to_list(), turns["source_ref"].to_list()))},
+                        speaker_prefix=True, turns_by_user={uid: turns})
+
+
 def up_to(conv: Conversation, as_of: int) -> Conversation:
     """The conversation as known after message ``as_of``: no turn after it can be retrieved or shown."""
     if as_of >= int(conv.turns["turn_index"].max()):
         return conv
-    t = conv.turns.filter(pl.col("turn_index") <= as_of)
-    uid = conv.user_id
-    return Conversation(sample_id=conv.sample_id, user_id=uid, user_ids=[uid], turns=t,
-                        dia_by_user_turn={uid: dict(zip(t["turn_index"].to_list(), t["source_ref"].to_list()))},
-                        speaker_prefix=conv.speaker_prefix, turns_by_user={uid: t})
+    return _conversation(conv.user_id, conv.turns.filter(pl.col("turn_index") <= as_of))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -421,15 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(argv) if argv is not None else None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-    def stop(signum, _frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        raise KeyboardInterrupt(f"stopped by signal {signum}")
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    from qumem_pipeline.eval.locomo.qa import _stop_like_ctrl_c
     from qumem_pipeline.eval.record import EvalRecord, default_root
+
+    _stop_like_ctrl_c()  # SIGTERM/SIGINT stop answering; what was answered is reported and recorded
 
     root = default_root() if args.record is None else (None if args.record.lower() == "off" else Path(args.record))
     record = EvalRecord(root) if root is not None else None
