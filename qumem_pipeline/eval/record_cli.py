@@ -209,6 +209,7 @@ def run_commands(record: EvalRecord) -> list[list[str]]:
                    str(st["llm_max_tokens"]), "--replay-model", r["model"]]
             if st.get("max_sessions"):
                 cmd += ["--max-sessions", str(st["max_sessions"])]
+            cmd += ["--state-labels", st.get("state_labels", "raw")]  # runs before state_labels.py: raw
             if st.get("context_tokens"):
                 cmd += ["--context-tokens", str(st["context_tokens"])]
             if st.get("decompose"):
@@ -239,6 +240,7 @@ def personamem_commands(r: dict, contexts: str) -> list[list[str]]:
                "--llm-max-tokens", str(st["llm_max_tokens"]), "--replay-model", r["model"]]
         if st.get("episodes_version"):
             cmd += ["--episodes-version", st["episodes_version"]]
+        cmd += ["--state-labels", st.get("state_labels", "raw")]  # runs before state_labels.py: raw
         cmds.append(cmd)
     return cmds
 

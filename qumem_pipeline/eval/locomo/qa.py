@@ -57,6 +57,7 @@ from qumem_pipeline.eval.locomo.qa_metrics import score_answer
 from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT
 from qumem_pipeline.llm.base import ChatRequest
 from qumem_pipeline.llm.retry import generate_with_retry
+from qumem_pipeline.query.strategies.state_labels import STATE_LABEL_MODES, raw_state_labels, state_label_mode
 # Re-exported: tests, the harness and benches import these from here.
 from qumem_pipeline.eval.locomo.qa_contexts import (  # noqa: F401
     ConversationContext,
@@ -204,7 +205,7 @@ def run_qa(
     finally:
         qa.close()  # before the report: the record's part of it counts what the backend flushed on close
     settings = {"max_sessions": max_sessions, "words": words, "chunk": chunk, "context_tokens": context_tokens,
-                "llm_max_tokens": llm_max_tokens, "decompose": bool(decompose),
+                "llm_max_tokens": llm_max_tokens, "decompose": bool(decompose), "state_labels": state_label_mode(),
                 "memories": None if decompose or memories is None else str(memories)}
     return qa.report(run, strategies, settings, cover, sample_per_category, seed, words, retrieval_report)
 
@@ -604,7 +605,7 @@ def cover_options(record, path: str) -> dict:
             "strategies": strategies, "words": st["words"], "chunk": st["chunk"], "context_tokens": st["context_tokens"],
             "llm_max_tokens": st["llm_max_tokens"], "max_sessions": st["max_sessions"], "decompose": st["decompose"],
             "memories": st["memories"], "replay_model": best[0]["model"], "episodes_version": st.get("episodes_version"),
-            "other_groups": len(groups) - 1}
+            "state_labels": st.get("state_labels", "raw"), "other_groups": len(groups) - 1}
 
 
 
@@ -616,7 +617,8 @@ def strategy_version(strategy: str) -> str:
         from qumem_pipeline.eval.locomo.qa_contexts import EVIDENCE_RENDER
         from qumem_pipeline.query.version import stage_version
 
-        return stage_version("query_states") + (f"; {EVIDENCE_RENDER}" if strategy == "qumem_evidence" else "")
+        return (stage_version("query_states") + (f"; {EVIDENCE_RENDER}" if strategy == "qumem_evidence" else "")
+                + ("" if state_label_mode() == "expanded" else "; state labels raw"))
     if strategy == "topk_memories":  # ranked by the memories' index keys (text and source turns)
         from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT, keyed_version
 
@@ -649,6 +651,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--continuity-artifact", default=None)
     ap.add_argument("--episodes-version", default=None, help="with --decompose: the record's episodes from this "
                     "continuity classifier version, not the shipped classifier's (replays of runs recorded under it)")
+    ap.add_argument("--state-labels", choices=STATE_LABEL_MODES, default="expanded",
+                    help="'raw': user states keep memory aliases in their text, as tables published before "
+                    "query/strategies/state_labels.py were measured (their replays ask for it)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--retrieval-json", default=None,
                     help="a retrieval harness JSON report: its recall-vs-budget curves go into the HTML report")
@@ -738,11 +743,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = EvalRecord(root) if root is not None else None
     opts, cover = _run_options(args, raw, record)
     out = args.out or (None if args.replay_only else str(Path(".artifacts") / "locomo_qa" / f"{Path(args.path).stem}.qa.json"))
-    report = run_qa(
-        args.path, out=out, **opts, record=record, replay_only=args.replay_only, cover=cover,
-        continuity_artifact=args.continuity_artifact, device=args.device,
-        retrieval_report=json.loads(Path(args.retrieval_json).read_text()) if args.retrieval_json else None,
-    )
+    with raw_state_labels(opts.pop("state_labels", args.state_labels) == "raw"):
+        report = run_qa(
+            args.path, out=out, **opts, record=record, replay_only=args.replay_only, cover=cover,
+            continuity_artifact=args.continuity_artifact, device=args.device,
+            retrieval_report=json.loads(Path(args.retrieval_json).read_text()) if args.retrieval_json else None,
+        )
     print(format_table(report))
     rc = _replay_verdict(report, record, cover)
     if args.json:

@@ -38,6 +38,7 @@ import polars as pl
 from qumem_pipeline.eval.locomo.qa_ledger import JsonlLog
 from qumem_pipeline.eval.locomo.qa_summary import paired_difference
 from qumem_pipeline.eval.personamem import prompts
+from qumem_pipeline.query.strategies.state_labels import STATE_LABEL_MODES, raw_state_labels, state_label_mode
 from qumem_pipeline.eval.personamem.data import LETTERS, PMQuestion, default_paths, load, up_to
 from qumem_pipeline.eval.personamem.likelihood import OptionScorer, pick
 
@@ -218,7 +219,7 @@ def run_personamem(contexts_path, questions_path, *, out=None, strategies: Seque
     report = build_report(qs, strategies, methods, done, r)
     report["settings"] = {"words": words, "context_tokens": context_tokens, "chunk": chunk,
                           "llm_max_tokens": llm_max_tokens, "episodes_version": r.__dict__.get("episodes_version"),
-                          "methods": list(methods), "split": split}
+                          "methods": list(methods), "split": split, "state_labels": state_label_mode()}
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     if not replay_only and r.record is not None and r._backend is not None and hasattr(r._backend, "identity"):
         report["record"] = _record_run(r, qs, strategies, done, report["settings"])
@@ -404,6 +405,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--llm-max-tokens", type=int, default=384)
     ap.add_argument("--episodes-version", default=None)
     ap.add_argument("--llm-kind", default=None)
+    ap.add_argument("--state-labels", choices=STATE_LABEL_MODES, default="expanded",
+                    help="'raw': user states keep memory aliases in their text (tables measured before "
+                    "query/strategies/state_labels.py)")
     ap.add_argument("--out", default=None, help="report path (default .artifacts/personamem/<contexts stem>.json)")
     ap.add_argument("--record", default=None, help="the evaluation record (default eval_record/; 'off': none)")
     ap.add_argument("--replay-only", action="store_true", help="no model: every call from the record")
@@ -434,11 +438,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx, qf = default_paths(args.path) if not (args.contexts and args.questions) else (None, None)
     ctx, qf = Path(args.contexts) if args.contexts else ctx, Path(args.questions) if args.questions else qf
     out = args.out or (None if args.replay_only else str(Path(".artifacts") / "personamem" / f"{ctx.stem}.json"))
-    rep = run_personamem(ctx, qf, out=out, strategies=_comma(args.strategies), methods=_comma(args.methods),
-                         split=args.split, contexts=_comma(args.context_ids), question_keys=_comma(args.question_keys),
-                         limit=args.limit, words=args.words, context_tokens=args.context_tokens, chunk=args.chunk,
-                         llm_max_tokens=args.llm_max_tokens, record=record, replay_only=args.replay_only,
-                         replay_model=args.replay_model, episodes_version=args.episodes_version, llm_kind=args.llm_kind)
+    with raw_state_labels(args.state_labels == "raw"):
+        rep = run_personamem(ctx, qf, out=out, strategies=_comma(args.strategies), methods=_comma(args.methods),
+                             split=args.split, contexts=_comma(args.context_ids), question_keys=_comma(args.question_keys),
+                             limit=args.limit, words=args.words, context_tokens=args.context_tokens, chunk=args.chunk,
+                             llm_max_tokens=args.llm_max_tokens, record=record, replay_only=args.replay_only,
+                             replay_model=args.replay_model, episodes_version=args.episodes_version,
+                             llm_kind=args.llm_kind)
     print(format_table(rep))
     rc = 0
     if args.replay_only and rep.get("replay", {}).get("missing", {}).get("calls"):

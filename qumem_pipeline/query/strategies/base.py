@@ -24,6 +24,7 @@ from qumem_pipeline.query.version import stage_version
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend
 from qumem_pipeline.llm.retry import generate_with_retry
 from qumem_pipeline.memories.call_ledger import QA, call_tags
+from qumem_pipeline.query.strategies.state_labels import expand_aliases, expanding
 
 Progress = Callable[[str, int, int], None]
 
@@ -191,8 +192,11 @@ def render_candidates(cands: list[RetrievedMemory]) -> str:
 
 
 def resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict, list[str], int]:
-    """Replace aliases (M3) with memory ids; drop citations of anything not retrieved."""
+    """Replace aliases (M3) with memory ids; drop citations of anything not retrieved. Aliases written in
+    the state's text become the memories' texts (``state_labels``), cited by the item."""
     alias = {f"M{i}": c.memory_id for i, c in enumerate(cands, start=1)}
+    texts = {a: (c.memory_id, c.content) for a, c in zip(alias, cands)}
+    expand = expanding()
     cited: list[str] = []
     dropped = 0
     out: dict[str, list] = {}
@@ -206,6 +210,13 @@ def resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict, 
                     dropped += 1
                 elif mid not in ids:
                     ids.append(mid)
+            item = dict(item)
+            if expand:
+                for key, value in list(item.items()):
+                    if key != "memory_ids" and isinstance(value, str):
+                        item[key], more, missing = expand_aliases(value, texts)
+                        ids += [m for m in more if m not in ids]
+                        dropped += missing
             items.append({**item, "memory_ids": ids})
             cited.extend(ids)
         out[section] = items

@@ -1,0 +1,45 @@
+"""A user state's text never points at a memory by alias (qumem_pipeline/query/strategies/state_labels.py)."""
+
+from qumem_pipeline.query.strategies.base import RetrievedMemory, resolve_citations
+from qumem_pipeline.query.strategies.state_labels import expand_aliases, raw_state_labels
+from qumem_pipeline.memories.readability import state_made_of_labels
+
+import json
+
+CANDS = [RetrievedMemory(f"mem-{i}", "preference", f"Kai likes genre {i} music.", i, 1.0) for i in range(1, 12)]
+# the 1.5B model's state for PersonaMem question e8e32fa7, in shape: a preference trajectory of aliases
+STATE = {
+    "facts": [{"statement": "Kai prefers M3 over M4 now", "memory_ids": ["M3"]}],
+    "preference_trajectory": [{"aspect": "music", "earlier": "M10", "current": "M11, M99",
+                               "applies_now_because": "M11 is the latest", "memory_ids": ["M10"]}],
+    "insights": [],
+}
+
+
+def test_aliases_in_text_become_the_memories_they_name_and_are_cited():
+    state, cited, dropped = resolve_citations(STATE, CANDS)
+    fact, pref = state["facts"][0], state["preference_trajectory"][0]
+    assert fact["statement"] == 'Kai prefers "Kai likes genre 3 music." over "Kai likes genre 4 music." now'
+    assert fact["memory_ids"] == ["mem-3", "mem-4"]  # the text now rests on M4 too
+    assert pref["earlier"] == "Kai likes genre 10 music." and pref["current"] == "Kai likes genre 11 music."
+    assert pref["applies_now_because"] == '"Kai likes genre 11 music." is the latest'
+    assert pref["memory_ids"] == ["mem-10", "mem-11"]
+    assert cited == ["mem-3", "mem-4", "mem-10", "mem-11"]
+    assert dropped == 1  # M99 was never retrieved: removed from the text, counted
+    assert "M1" not in json.dumps(state) and not state_made_of_labels(json.dumps(state))
+
+
+def test_raw_mode_keeps_the_text_as_written_for_replays_of_older_tables():
+    with raw_state_labels():
+        state, cited, dropped = resolve_citations(STATE, CANDS)
+    assert state["preference_trajectory"][0]["earlier"] == "M10" and cited == ["mem-3", "mem-10"] and dropped == 0
+    # and the rule is back on outside the block
+    assert resolve_citations(STATE, CANDS)[0]["preference_trajectory"][0]["earlier"] != "M10"
+
+
+def test_text_without_aliases_and_words_like_m_sizes_stay():
+    mem = {"M1": ("mem-1", "x")}
+    assert expand_aliases("Prefers size M and the M25 motorway", mem) == ("Prefers size M and the M25 motorway", [], 0)
+    assert expand_aliases("M1 beside the M25", mem) == ('"x" beside the M25', ["mem-1"], 0)
+    assert expand_aliases("no alias here", mem) == ("no alias here", [], 0)
+    assert expand_aliases("M1 -> M1", mem) == ("x", ["mem-1"], 0)
