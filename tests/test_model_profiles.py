@@ -78,18 +78,19 @@ def test_served_name_carries_a_forced_dtype(tmp_path, monkeypatch):
 
 
 def test_output_bounds_cut_the_schema_to_a_subset():
-    """SmolLM2's profile cuts every maxItems to a third and long maxLength to half; ids stay whole, and
-    whatever the cut schema allows the full one allows too."""
+    """SmolLM2's profile cuts every maxItems to a third and long maxLength to half, and its free text takes
+    no bracket ("[user_name]" slots); ids stay whole, and whatever the cut schema allows the full one allows too."""
     import jsonschema
 
     from qumem_pipeline.llm.model_profiles import tighten_schema
     from qumem_pipeline.query.strategies.agents import A3_SCHEMA
 
     bounds = profile_for("SmolLM2-135M-Instruct-Q4_1", env={}).output_bounds
-    assert bounds == "items/3,chars/2" and profile_for("Qwen2.5-Coder-1.5B-Instruct", env={}).output_bounds is None
+    assert bounds == "items/3,chars/2,plain" and profile_for("Qwen2.5-Coder-1.5B-Instruct", env={}).output_bounds is None
     cut = tighten_schema(A3_SCHEMA, bounds)
     facts = cut["properties"]["facts"]
-    assert facts["maxItems"] == 1 and facts["items"]["properties"]["statement"]["maxLength"] == 60
+    statement = facts["items"]["properties"]["statement"]
+    assert facts["maxItems"] == 1 and statement["pattern"].endswith("{0,60}$") and "maxLength" not in statement
     assert facts["items"]["properties"]["memory_ids"]["items"]["maxLength"] == 4  # "M12": never cut
     assert tighten_schema(A3_SCHEMA, None) is A3_SCHEMA
     out = {"facts": [{"statement": "x" * 60, "memory_ids": ["M1"]}], "preference_trajectory": [], "insights": []}
@@ -97,10 +98,17 @@ def test_output_bounds_cut_the_schema_to_a_subset():
     jsonschema.validate(out, A3_SCHEMA)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**out, "facts": out["facts"] * 2}, cut)
+    for text in ("x" * 61, "The user [user_name] likes", 'say "hi"'):
+        bad = {**out, "facts": [{"statement": text, "memory_ids": ["M1"]}]}
+        jsonschema.validate(bad, A3_SCHEMA)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, cut)
+    assert "pattern" not in tighten_schema(A3_SCHEMA, "items/3,chars/2")["properties"]["facts"]["items"]["properties"]["statement"]
 
 
 def test_output_bounds_env_override():
     assert profile_for("SmolLM2-135M-Instruct-Q4_1", env={"QUMEM_LLM_OUTPUT_BOUNDS": "full"}).output_bounds is None
     assert profile_for("qwen2.5-7b", env={"QUMEM_LLM_OUTPUT_BOUNDS": "items/2,chars/2"}).output_bounds == "items/2,chars/2"
+    assert profile_for("qwen2.5-7b", env={"QUMEM_LLM_OUTPUT_BOUNDS": "items/2,chars/2,plain"}).output_bounds.endswith("plain")
     with pytest.raises(ValueError, match="items/N,chars/M"):
         profile_for("qwen2.5-7b", env={"QUMEM_LLM_OUTPUT_BOUNDS": "half"})

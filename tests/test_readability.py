@@ -139,3 +139,27 @@ def test_checkpoint_outputs_become_memory_rows():
     assert got["evidence_turn_ids"].to_list() == [[0], [0, 1]] and got["memory_id"].n_unique() == 2
     _, turns, *_ = _tables()
     assert rd.memory_rates(got, turns)["template_slot_rate"] == 0.5
+
+
+def test_the_small_models_gate_drops_and_counts_unreadable_memories_and_keeps_the_rest():
+    """SmolLM2's profile gates its memories by these rules; the 1.5B evaluation model's are kept as written."""
+    from datetime import datetime, timezone
+
+    from qumem_pipeline.llm.model_profiles import profile_for
+    from qumem_pipeline.memories.parsing import DecomposeStats, memories_from_output
+    from qumem_pipeline.memories.prompts import Episode, Turn
+
+    ep = Episode("u1", "e1", [Turn(1, "user", "I swim 1.5 km at Salford Quays every Sunday", "Ana")])
+    out = {"memories": [{"content": c, "evidence_turn_ids": [1]} for c in (
+        "Ana swims 1.5 km at Salford Quays every Sunday",
+        "The user [user_name] swims",
+        "Family is everything",
+        "Ana swims, Ana swims, Ana swims at the quays",
+    )]}
+    kw = dict(model="m", prompt_version="p", code_version="c", created_at=datetime.now(timezone.utc))
+    assert profile_for("SmolLM2-135M-Instruct-Q4_1").memory_gate and not profile_for("Qwen2.5-Coder-1.5B-Instruct").memory_gate
+    stats = DecomposeStats()
+    kept = memories_from_output(ep, "fact", out, stats, gate=True, **kw)
+    assert [m["content"] for m in kept] == ["Ana swims 1.5 km at Salford Quays every Sunday"]
+    assert (stats.memories_dropped_slot, stats.memories_dropped_near_empty, stats.memories_dropped_repeat) == (1, 1, 1)
+    assert len(memories_from_output(ep, "fact", out, DecomposeStats(), gate=False, **kw)) == 4

@@ -28,13 +28,21 @@ class ModelProfile:
     # elsewhere float32), None: float32. Why: a 0.5B model's prefill and decode are matmul-bound, and on
     # the 2-core AMX box bf16 ran a 896x9728 product 3x (64 rows) to 6x (512 rows) faster than float32.
     weights: str | None = None
+    # Memories this model writes that no reader can use are dropped and counted (memories/readability.py's
+    # template slot, fewer than 3 content words, a phrase said 3 times). Why: on the example archive 31 % of
+    # SmolLM2-135M's memories were near-empty, 18 % repeated a phrase, 9 % held "[user_name]"; the 1.5B
+    # evaluation model's short memories are real ones ("Family is everything": 58 of 2,431 near-empty), so
+    # the gate is the small model's, not everyone's.
+    memory_gate: bool = False
 
 
 DEFAULT_PROFILE = ModelProfile(family="default", compact_json=True)
 
 # (substring of the lower-cased model name, profile); first match wins, so specific before general.
 PROFILES: tuple[tuple[str, ModelProfile], ...] = (
-    ("smollm2", ModelProfile(family="smollm2", compact_json=True, output_bounds="items/3,chars/2")),
+    # "plain": free text may hold no bracket, so no "[user_name]" slot can be written (see tighten_schema)
+    ("smollm2", ModelProfile(family="smollm2", compact_json=True, output_bounds="items/3,chars/2,plain",
+                             memory_gate=True)),
     # the embedded 0.5B runs bf16 weights; the 1.5B evaluation model (served by vLLM) keeps its own settings
     ("qwen2.5-coder-0.5b", ModelProfile(family="qwen2.5-coder", compact_json=False, weights="bf16")),
     ("qwen2.5-coder", ModelProfile(family="qwen2.5-coder", compact_json=False)),
@@ -90,15 +98,27 @@ def profile_for(model: str, env: dict[str, str] | None = None) -> ModelProfile:
 MIN_CUT_LENGTH = 32
 
 
-def _parse_bounds(bounds: str) -> tuple[int, int]:
+def _parse_bounds(bounds: str) -> tuple[int, int, bool]:
+    """(N, M, plain) of "items/N,chars/M[,plain]"."""
     try:
-        parts = dict(p.split("/") for p in bounds.split(","))
+        words = [p.strip() for p in bounds.split(",")]
+        plain = "plain" in words
+        parts = dict(p.split("/") for p in words if p != "plain")
         items, chars = int(parts.pop("items")), int(parts.pop("chars"))
         if parts or items < 1 or chars < 1:
             raise ValueError
     except (ValueError, KeyError):
-        raise ValueError(f"output bounds {bounds!r}: expected 'full' or 'items/N,chars/M' (N, M >= 1)") from None
-    return items, chars
+        raise ValueError(f"output bounds {bounds!r}: expected 'full' or 'items/N,chars/M[,plain]' (N, M >= 1)") from None
+    return items, chars, plain
+
+
+# a free-text string with no bracket, quote, backslash or control character, its length bounds kept (a
+# JSON-schema pattern replaces minLength/maxLength in xgrammar, so the regex carries them)
+PLAIN_TEXT = '^[^\\[\\]{{}}<>"\\\\\\x00-\\x1f]{{{lo},{hi}}}$'
+
+
+def plain_pattern(lo: int, hi: int) -> str:
+    return PLAIN_TEXT.format(lo=lo, hi=hi)
 
 
 def output_bounds_of(backend: Any) -> str | None:
@@ -114,11 +134,13 @@ def output_bounds_of(backend: Any) -> str | None:
 
 def tighten_schema(schema: Any, bounds: str | None) -> Any:
     """`schema` with every maxItems divided by N (rounded up, never below minItems or 1) and every maxLength
-    above MIN_CUT_LENGTH divided by M (not below MIN_CUT_LENGTH or minLength), for bounds "items/N,chars/M".
-    What it allows is a subset of what `schema` allows, so an output still validates against `schema`."""
+    above MIN_CUT_LENGTH divided by M (not below MIN_CUT_LENGTH or minLength), for bounds "items/N,chars/M";
+    with ",plain" those long strings also take no bracket (`plain_pattern`): a model cannot write a
+    "[user_name]" slot it was never shown. What it allows is a subset of what `schema` allows, so an output
+    still validates against `schema`."""
     if not bounds:
         return schema
-    items, chars = _parse_bounds(bounds)
+    items, chars, plain = _parse_bounds(bounds)
 
     def walk(node: Any) -> Any:
         if isinstance(node, list):
@@ -130,6 +152,8 @@ def tighten_schema(schema: Any, bounds: str | None) -> Any:
             out["maxItems"] = max(int(out.get("minItems", 1)), 1, -(-out["maxItems"] // items))
         if isinstance(out.get("maxLength"), int) and out["maxLength"] > MIN_CUT_LENGTH:
             out["maxLength"] = max(int(out.get("minLength", 0)), MIN_CUT_LENGTH, -(-out["maxLength"] // chars))
+            if plain and "pattern" not in out:  # the regex carries the bounds (xgrammar ignores them beside one)
+                out["pattern"] = plain_pattern(int(out.pop("minLength", 0)), out.pop("maxLength"))
         return out
 
     return walk(schema)

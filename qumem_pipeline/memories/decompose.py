@@ -23,7 +23,7 @@ import polars as pl
 
 from qumem_pipeline.memories.checkpoints import CallOutcome, CheckpointStore, call_key
 from qumem_pipeline.llm.base import ChatRequest, ChatResult, LLMBackend, LLMError, generate_each
-from qumem_pipeline.llm.model_profiles import output_bounds_of
+from qumem_pipeline.llm.model_profiles import output_bounds_of, profile_for
 from qumem_pipeline.memories.version import stage_version
 # Re-exported: callers (assets, query strategies, tests, benches) import these from here.
 from qumem_pipeline.memories.parsing import (  # noqa: F401
@@ -290,9 +290,11 @@ def _assemble(eps: list[Episode], keys: list[str], outcomes: dict[str, CallOutco
         stats.retries += sum(1 for row in o.ledger if row["status"] == "retried")
         if o.status == "ok":
             prompt_version = o.ledger[-1]["prompt_version"]
+            model = o.ledger[-1]["model"]
             memories.extend(memories_from_output(
-                by_key[(o.user_id, o.episode_id)], o.type, o.output or {}, stats, model=o.ledger[-1]["model"],
+                by_key[(o.user_id, o.episode_id)], o.type, o.output or {}, stats, model=model,
                 prompt_version=prompt_version, code_version=code_version, created_at=o.created_at,
+                gate=profile_for(str(model).split("@")[0]).memory_gate,
             ))
         else:
             stats.quarantined += 1

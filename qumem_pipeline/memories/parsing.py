@@ -10,6 +10,7 @@ from typing import Any
 import polars as pl
 
 from qumem_pipeline.memories.prompts import Episode
+from qumem_pipeline.memories.readability import has_repeated_phrase, has_template_slot, is_near_empty
 
 # -- output tables ----------------------------------------------------------------------------
 MEMORY_SCHEMA = pl.Schema(
@@ -73,6 +74,18 @@ LEDGER_SCHEMA = pl.Schema(
 
 
 # -- memory rows ------------------------------------------------------------------------------
+def unreadable(content: str) -> str | None:
+    """Why no reader can use this memory (readability.py's rules), or None: "slot" ("[user_name]"),
+    "near_empty" (fewer than 3 content words), "repeat" (a phrase said 3 times)."""
+    if has_template_slot(content):
+        return "slot"
+    if is_near_empty(content):
+        return "near_empty"
+    if has_repeated_phrase(content):
+        return "repeat"
+    return None
+
+
 _WS = re.compile(r"\s+")
 
 
@@ -99,6 +112,10 @@ class DecomposeStats:
     evidence_ids_dropped: int = 0
     memories_dropped_no_evidence: int = 0
     memories_dropped_empty: int = 0
+    # the small model's gate (model_profiles.ModelProfile.memory_gate): unreadable memories, by rule
+    memories_dropped_slot: int = 0
+    memories_dropped_near_empty: int = 0
+    memories_dropped_repeat: int = 0
     reused_calls: int = 0  # ledger rows restored from a checkpoint instead of sent again
 
     def as_dict(self) -> dict[str, int]:
@@ -115,13 +132,19 @@ def memories_from_output(
     prompt_version: str,
     code_version: str,
     created_at: datetime,
+    gate: bool = False,
 ) -> list[dict[str, Any]]:
+    """The call's memories as rows; ``gate``: drop (and count) the ones ``unreadable`` names."""
     by_index = {t.turn_index: t for t in ep.turns}
     merged: dict[str, dict[str, Any]] = {}
     for item in parsed.get("memories") or []:
         content = " ".join(str(item.get("content") or "").split())
         if not normalize_content(content):
             stats.memories_dropped_empty += 1
+            continue
+        why = unreadable(content) if gate else None
+        if why:
+            setattr(stats, f"memories_dropped_{why}", getattr(stats, f"memories_dropped_{why}") + 1)
             continue
         ids = []
         for raw_id in item.get("evidence_turn_ids") or []:
