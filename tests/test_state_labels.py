@@ -43,3 +43,5 @@ def test_text_without_aliases_and_words_like_m_sizes_stay():
     assert expand_aliases("M1 beside the M25", mem) == ('"x" beside the M25', ["mem-1"], 0)
     assert expand_aliases("no alias here", mem) == ("no alias here", [], 0)
     assert expand_aliases("M1 -> M1", mem) == ("x", ["mem-1"], 0)
+    # the embedded model's "[m1]" (README's state before this rule: "The user is a chemist at a [m1]")
+    assert expand_aliases("The user is a chemist at a [m1]", mem) == ('The user is a chemist at a ["x"]', ["mem-1"], 0)

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-ALIAS = re.compile(r"\bM(\d{1,3})\b")
+ALIAS = re.compile(r"\b[Mm](\d{1,3})\b")  # the embedded model also writes "[m1]"
 # what may stand between aliases in a text that is only aliases: punctuation, arrows, joining words
 _JOINERS = re.compile(r"(?i)^(?:[\s,;:/&+\-–—>→|.()\[\]]|\b(?:and|or|then|to|vs|from|now|later)\b)*$")
 
@@ -62,6 +62,6 @@ def expand_aliases(text: str, memories: Mapping[str, tuple[str, str]]) -> tuple[
         return "; ".join(dict.fromkeys(t.strip() for _, t in resolved)), ids, missing
 
     def one(m: re.Match) -> str:
-        hit = memories.get(m.group(0))
+        hit = memories.get(m.group(0).upper())
         return f'"{hit[1].strip()}"' if hit else m.group(0)
     return " ".join(ALIAS.sub(one, text).split()), ids, 0
