@@ -9,7 +9,8 @@ from typing import Any
 
 import polars as pl
 
-from qumem_pipeline.memories.prompts import Episode
+from qumem_pipeline.memories.grounding import supporting_turns
+from qumem_pipeline.memories.prompts import MAX_EVIDENCE_IDS, Episode
 from qumem_pipeline.memories.readability import has_repeated_phrase, has_template_slot, is_near_empty
 
 # -- output tables ----------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class DecomposeStats:
     memories_dropped_slot: int = 0
     memories_dropped_near_empty: int = 0
     memories_dropped_repeat: int = 0
+    memories_dropped_ungrounded: int = 0  # its words mostly absent from its episode (memories/grounding.py)
     reused_calls: int = 0  # ledger rows restored from a checkpoint instead of sent again
 
     def as_dict(self) -> dict[str, int]:
@@ -134,7 +136,8 @@ def memories_from_output(
     created_at: datetime,
     gate: bool = False,
 ) -> list[dict[str, Any]]:
-    """The call's memories as rows; ``gate``: drop (and count) the ones ``unreadable`` names."""
+    """The call's memories as rows; ``gate`` (the small model's): drop (and count) the ones ``unreadable`` names
+    and those their episode does not ground, and cite the turns that hold each kept one's words."""
     by_index = {t.turn_index: t for t in ep.turns}
     merged: dict[str, dict[str, Any]] = {}
     for item in parsed.get("memories") or []:
@@ -152,6 +155,11 @@ def memories_from_output(
                 ids.append(raw_id)
             else:
                 stats.evidence_ids_dropped += 1
+        if gate:  # the small model's citations are repaired from the episode's words, or the memory is invented
+            ids = supporting_turns(content, ids, ep.turns, MAX_EVIDENCE_IDS)
+            if ids is None:
+                stats.memories_dropped_ungrounded += 1
+                continue
         if not ids:
             stats.memories_dropped_no_evidence += 1
             continue
