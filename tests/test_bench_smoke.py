@@ -65,6 +65,26 @@ def test_store_reads_smallest():
     assert got["s3_small_files_speedup"] > 0 and got["s3_mixed_files_speedup"] > 0
 
 
+@pytest.mark.skipif(not (ROOT / ".venv-delta-reader" / "bin" / "python").exists()
+                    and not os.environ.get("QUMEM_DELTA_READER_PYTHON") and not os.environ.get("CI"),
+                    reason="the delta-kernel-rs reader's venv is not installed: bash scripts/install_delta_reader.sh")
+def test_warehouse_in_place_smallest():
+    got = run_bench("bench/warehouse_in_place.py", "--turns", "4000", "--users", "20", "--reps", "2", "--rounds", "1")
+    # the four modes returned the same rows for every query, and the in-place views the warehouse's counts
+    assert got["results_agree"] and got["views_match_warehouse"]
+    modes = got["modes"]
+    assert modes["in_place"]["duckdb"] != modes["copy"]["duckdb"] == modes["copy_v140_format"]["duckdb"]
+    assert modes["copy"]["queries"]["count_per_user"]["rows"] == 20
+    for m in ("in_place", "copy_v144", "copy_v140_format"):
+        assert got["ratios"][m]["total"]["warm_cpu"] == round(modes[m]["total_warm_cpu_s"] / modes["copy"]["total_warm_cpu_s"], 2)
+    # every 20th user has no memories: their placeholder row is in the Delta table, not in the view
+    mem = got["seen"]["memories"]
+    assert mem["placeholder_rows"] == mem["delta_rows"] - mem["view_rows"] == 1 and mem["view_rows"] == mem["warehouse_rows"]
+    assert got["store_columns_raw"] == ["user_bucket", "user_key", "user_placeholder"]
+    assert got["seen"]["quarantine"]["view_rows"] == got["bad_rows"] == 30
+    assert got["refresh_cpu_s"] > 0 and got["forget_rewrite_s"] > 0 and isinstance(got["v144_opens_product_file"], bool)
+
+
 def test_retrieval_latency_smoke():
     got = run_bench("bench/retrieval_latency.py", "--smoke")
     assert {"batched_latency_ms", "batched_amortized_ms_per_query", "query_at_a_time_ms", "throughput_speedup"} <= got.keys()
