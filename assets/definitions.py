@@ -13,7 +13,8 @@ from assets.query_states import query_states
 from assets.retrieval import memory_embeddings, memory_indexes
 from assets.schedules import build_nightly_schedule
 from assets.partitions import users_partitions
-from assets.sensors import MAIN_JOB_NAME, user_discovery_sensor
+from assets.archive_sync import archive_sync_job, archive_sync_schedule
+from assets.sensors import MAIN_JOB_NAME, build_discovery_sensor
 from assets.warehouse import warehouse
 from resources import resources_for
 
@@ -38,9 +39,10 @@ def build_definitions(env: str | None = None, executor: dg.ExecutorDefinition | 
     multiprocess or Kubernetes executors, so scale-out is configuration, not code."""
     return dg.Definitions(
         assets=ALL_ASSETS,
-        jobs=[main_job, ingest_job, forget_user_job, table_maintenance_job, personalize_job],
-        sensors=[user_discovery_sensor],
-        schedules=[build_nightly_schedule(job=main_job)],
+        jobs=[main_job, ingest_job, forget_user_job, table_maintenance_job, personalize_job, archive_sync_job],
+        # the ticks only plan; the archive sync is a run of archive_sync_job (assets/archive_sync.py)
+        sensors=[build_discovery_sensor(job=main_job)],
+        schedules=[build_nightly_schedule(job=main_job), archive_sync_schedule],
         resources=resources_for(env),
         executor=executor or dg.in_process_executor,
     )

@@ -61,12 +61,14 @@ class PlannedRun:
     def single_key(self) -> str | None:
         return self.first_key if self.first_key == self.last_key else None
 
-    def run_request(self, run_key: str, extra_tags: dict[str, str] | None = None) -> dg.RunRequest:
+    def run_request(self, run_key: str, extra_tags: dict[str, str] | None = None,
+                    job_name: str | None = None) -> dg.RunRequest:
+        """`job_name`: needed from a sensor that targets more than one job (the discovery sensor)."""
         tags = {**self.tags, **(extra_tags or {})}
         if self.single_key is not None:
             tags.pop(RANGE_START), tags.pop(RANGE_END)
-            return dg.RunRequest(run_key=run_key, partition_key=self.single_key, tags=tags)
-        return dg.RunRequest(run_key=run_key, tags=tags)
+            return dg.RunRequest(run_key=run_key, partition_key=self.single_key, tags=tags, job_name=job_name)
+        return dg.RunRequest(run_key=run_key, tags=tags, job_name=job_name)
 
 
 def pack_runs(instance: dg.DagsterInstance, order: list[str], selected: set[str], per_run: int,

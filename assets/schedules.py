@@ -1,6 +1,15 @@
 """Nightly incremental rebuild: only users whose archive content changed since their last `turns`.
 
-Each tick fingerprints the archive per user (the same function `turns` records), reads the
+The tick only plans: it reads no archive file. It takes every user's fingerprint from the
+fingerprints table as the last archive sync left it (`discover(..., sync=False)`); the sync itself
+(new and changed files read into the tables) is a run of the `archive_sync` job, requested by its
+companion `archive_sync_schedule` (QUMEM_ARCHIVE_SYNC_CRON, 01:00 UTC by default) an hour before
+this tick (02:00), and by the discovery sensor when it is on (assets/archive_sync.py says why a
+companion schedule and not a request from this tick). So the tick stays within Dagster's schedule
+evaluation timeout (DAGSTER_SCHEDULE_GRPC_TIMEOUT_SECONDS, 60 s by default) at any archive size,
+and its log names the last sync run (content a sync had not committed yet is planned next night).
+
+Each tick compares each user's fingerprint (the same function `turns` records) with the
 fingerprint its latest `turns` materialization published (the event log, or the data root's
 `user_registry` in the bucket scheme), registers new users and requests `main_job` runs for new/changed users only. Unchanged users
 cost the check and nothing else. A registered user that left the archive (its source files were
@@ -17,6 +26,7 @@ import os
 
 import dagster as dg
 
+from assets.archive_sync import ARCHIVE_SYNC_JOB, last_sync
 from assets.partitions import USERS_PER_RUN, register_unforgotten, register_users  # noqa: F401
 from assets.planning import TURNS_KEY, latest_ids, live_users, pack_runs, plan_users, recorded_fingerprints, recorded_state  # noqa: F401
 from qumem_pipeline.ingest.discovery import discover
@@ -50,7 +60,11 @@ def build_nightly_schedule(
         description=f"Rebuild only new or changed users (runs of <= {users_per_run} users).",
     )
     def _nightly(context: dg.ScheduleEvaluationContext, pipeline: PipelineConfig):
-        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
+        context.log.info(last_sync(context.instance))
+        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout(), sync=False)
+        if found.fingerprints_state is None:  # not "every registered user left the archive"
+            return dg.SkipReason(f"no archive sync has written this data root's fingerprints table yet "
+                                 f"(run the {ARCHIVE_SYNC_JOB} job, or turn on archive_sync_schedule)")
         planned = plan_users(context.instance, pipeline, found.fingerprints, final_key)
         plan, incomplete = planned.plan, planned.incomplete
         context.log.info(

@@ -49,15 +49,28 @@ and the tick at 100,000 users alone (ingest only, large runs): --stages turns --
 
 The registry scale (from --users 200,000 on without --configs, or --registry-scale; bucket scheme):
     python bench/scale.py --users 1000000 --instance postgres --json
-generates 2 turns per user in files of 1,000 users, ingests them, registers every user in the
-data root's `user_registry` (`register_s`; again: `register_again_s`), plans them all into runs of
-~a bucket (`plan_s`) and builds `turns` for all (their fingerprints published), then changes
---changed (1%) of the users (one more turn each, in 1% of the files) and times, on every user: the
-nightly tick (`tick_s`: the archive sync of the changed files, the compare, the plan), the discovery
-sensor (`sensor_s`), a planned bucket run's user resolution (`resolve_users_s`: the max over the
-tick's runs) and a whole bucket's (`resolve_bucket_users_s`, a UI backfill), then runs every LLM-free
-stage on the tick's runs of 1,000 users only (a sample of buckets; --max-runs N: the first N;
-models loaded first, `model_load_s`): `overhead_at_1000`; then the asset page (`ui_load_s`, --no-ui).
+generates 2 turns per user (--turns N: N) in files of 1,000 users, ingests them in one `archive_sync` run
+(`ingest_s`: the job the ticks request, assets/archive_sync.py), registers every user in the data root's
+`user_registry` (`register_s`; again: `register_again_s`), plans them all into runs of ~a bucket
+(`plan_s`; --build-users-per-run N: runs of N) and builds `turns` for all (their fingerprints
+published), then changes --changed (1%) of the users (one more turn each, in 1% of the files) and
+times, on every user, the ticks and the sync apart, as they run apart:
+  * `sensor_before_sync_s`: the discovery sensor's tick right after the change: it lists the archive
+    (no file read), requests the `archive_sync` run (`sensor_sync_requested`) and plans from the
+    fingerprints table, which does not hold the change yet (`sensor_before_sync_rebuild_runs`: 0);
+  * `sync_run_s`: that `archive_sync` run (the changed files read, their users rebuilt; `sync_run`: its
+    metadata);
+  * `tick_s`: the nightly tick over the synced table, plan only (the compare and the plan; no archive read);
+  * `sensor_s`: the discovery sensor without a cursor (the full compare, plan only);
+  * `*_cpu_s`: this process's CPU seconds (all threads) of those ticks, which the box's other load moves
+    less than their wall time (the PostgreSQL server's own work is not in them);
+  * `tick_timeout_s`: Dagster's schedule and sensor evaluation timeouts in this environment (60 s by default);
+then a planned bucket run's user resolution (`resolve_users_s`: the max over the tick's runs) and a whole
+bucket's (`resolve_bucket_users_s`, a UI backfill), then runs every LLM-free stage on the tick's runs of
+1,000 users only (a sample of buckets; --max-runs N: the first N; models loaded first, `model_load_s`;
+--no-stages: skipped): `overhead_at_1000`; then the asset page (`ui_load_s`, --no-ui: skipped). The
+issue's size, ticks only:
+    python bench/scale.py --users 1000000 --turns 10 --instance postgres --no-stages --no-ui --json
 
 With --json the last printed line is one JSON object.
 """
@@ -95,6 +108,7 @@ from assets.ingest import turns  # noqa: E402
 from assets.partitions import run_user_ids, user_backfill_policy, users_partitions  # noqa: E402
 from assets.retrieval import memory_embeddings, memory_indexes  # noqa: E402
 from assets.partitions import SCHEME  # noqa: E402
+from assets.archive_sync import archive_sync_job  # noqa: E402
 from assets.schedules import build_nightly_schedule  # noqa: E402
 from assets.sensors import build_discovery_sensor  # noqa: E402
 from bench._instance import drop_instance, product_instance  # noqa: E402
@@ -230,9 +244,10 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
     job_def = dg.define_asset_job("scale_bench_job", selection=assets)
     schedule = build_nightly_schedule(job=job_def, users_per_run=per_run, name=f"bench_nightly_{per_run}",
                                       final_asset=stages[-1])
-    sensor = build_discovery_sensor(job_name="scale_bench_job", users_per_run=per_run, name=f"bench_sensor_{per_run}")
+    sensor = build_discovery_sensor(job=job_def, users_per_run=per_run, name=f"bench_sensor_{per_run}")
     defs = dg.Definitions(
-        assets=assets, jobs=[job_def], schedules=[schedule], sensors=[sensor], executor=dg.in_process_executor,
+        assets=assets, jobs=[job_def, archive_sync_job], schedules=[schedule], sensors=[sensor],
+        executor=dg.in_process_executor,
         resources={"pipeline": pipeline, "continuity": ContinuityClassifierResource(device=device or ""),
                    "embedder": EmbedderResource(device=device or "")},
     )
@@ -246,6 +261,10 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
             data = schedule.evaluate_tick(ctx)
             return data, time.perf_counter() - t
 
+    # the archive sync is a run of its own (the ticks only plan: assets/archive_sync.py)
+    t = time.perf_counter()
+    defs.resolve_job_def(archive_sync_job.name).execute_in_process(instance=instance, raise_on_error=True)
+    sync_run_s = time.perf_counter() - t
     first, first_check_s = evaluate()
     requests = first.run_requests[:max_runs] if max_runs else first.run_requests
     walls: list[tuple[float, float]] = []
@@ -261,6 +280,7 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
         # None when no run executed (no wall time): not a measured 0
         "overhead": round((wall - stage) / wall, 4) if requests and wall else None,
         "turns_per_s": round(n_turns / wall, 1) if requests and wall else None,
+        "sync_run_s": round(sync_run_s, 2),  # the archive_sync run that read the archive before the first tick
         "first_check_s": round(first_check_s, 2),  # the first nightly evaluation: registers every user, plans
         # where the overhead is: the first run loads the models (counted above), the others do not
         "first_run": {"wall_s": round(walls[0][0], 2), "stage_s": round(walls[0][1], 2)} if walls else None,
@@ -287,7 +307,7 @@ def run_config(archive: Path, work: Path, per_run: int, device: str | None, stag
             "second_nightly_wall_s": round(wall2, 3),
             "tick_s": round(second_check_s, 2),
             "sensor_tick_s": round(sensor_s, 2),
-            "sensor_runs_requested": len(sensed.run_requests),
+            "sensor_runs_requested": len([r for r in sensed.run_requests if r.job_name != archive_sync_job.name]),
             "sensor_cursor_chars": len(sensed.cursor or ""),
         })
     out["runs_in_instance"] = len(instance.get_run_records())
@@ -323,6 +343,35 @@ def _change_files(archive: Path, fraction: float) -> int:
     return len(changed)
 
 
+def _stage_sample(args, defs, instance, tick, nightly, evaluate, say, out: dict) -> None:
+    """Registry scale: every LLM-free stage on the nightly tick's runs (a sample of buckets), then the tick again."""
+    # the LLM-free stages on the tick's runs (the changed users' buckets): models loaded first, as
+    # in a long-lived worker (their load is reported on its own)
+    t = time.perf_counter()
+    _ = defs.resources["continuity"].model, defs.resources["embedder"].model  # the per-process cache (resources/models.py)
+    out["model_load_s"] = round(time.perf_counter() - t, 2)
+    walls: list = []
+    runs = tick.run_requests[: args.max_runs] if args.max_runs else tick.run_requests
+    wall, per_stage, n_turns = _execute(defs.resolve_job_def("scale_bench_job"), instance, runs, STAGES, walls)
+    stage = sum(per_stage.values())
+    later = walls[1:]
+    out.update({
+        "sample_runs": len(runs), "sample_users": sum(int(r.tags.get("qumem/nightly_users", 0)) for r in runs),
+        "sample_turns": n_turns, "sample_wall_s": round(wall, 2), "sample_stage_s": round(stage, 2),
+        "stage_s_by_asset": {k: round(v, 2) for k, v in per_stage.items()},
+        "overhead_at_1000": round((wall - stage) / wall, 4) if wall else None,
+        "first_run": {"wall_s": round(walls[0][0], 2), "stage_s": round(walls[0][1], 2)} if walls else None,
+        "later_runs_overhead": round(sum(w - s for w, s in later) / sum(w for w, _ in later), 4) if later else None,
+        "later_runs_overhead_s_per_run": round(sum(w - s for w, s in later) / len(later), 2) if later else None,
+    })
+    say(f"stages on {len(runs)} runs of 1000: wall {out['sample_wall_s']}s, stage {out['sample_stage_s']}s, "
+        f"overhead {out['overhead_at_1000']} (later runs {out['later_runs_overhead']})")
+    if len(runs) == len(tick.run_requests):
+        again, again_s = evaluate(nightly)
+        out["second_tick_s"] = round(again_s, 2)
+        out["second_tick_runs_requested"] = len(again.run_requests)
+
+
 def registry_scale(args, archive: Path, work: Path, device: str | None) -> dict:
     """The million-user configuration (bucket scheme): registration, planning, nightly tick with
     `--changed` of the users changed, discovery sensor, a planned run's user resolution and the asset
@@ -330,6 +379,8 @@ def registry_scale(args, archive: Path, work: Path, device: str | None) -> dict:
     from assets.partitions import (RUN_USERS_TAG, partition_key_of, planned_users_of, register_users,
                                    user_registry, users_of_keys)
     from assets.planning import TURNS_KEY, finished_runs
+    from dagster._grpc.utils import default_schedule_grpc_timeout, default_sensor_grpc_timeout
+
     from qumem_pipeline.ingest.discovery import discover
 
     (work / "home").mkdir(parents=True)
@@ -341,28 +392,56 @@ def registry_scale(args, archive: Path, work: Path, device: str | None) -> dict:
     build_per_run = args.build_users_per_run or -(-args.users // 64)
     build = build_nightly_schedule(job=turns_job, users_per_run=build_per_run, name="bench_build", final_asset="turns")
     nightly = build_nightly_schedule(job=turns_job, users_per_run=1000, name="bench_nightly", final_asset="turns")
-    sensor = build_discovery_sensor(job_name="scale_turns_job", users_per_run=1000, name="bench_sensor")
+    sensor = build_discovery_sensor(job=turns_job, users_per_run=1000, name="bench_sensor")
     defs = dg.Definitions(
-        assets=stage_assets, jobs=[turns_job, stages_job], schedules=[build, nightly], sensors=[sensor],
+        assets=stage_assets, jobs=[turns_job, stages_job, archive_sync_job], schedules=[build, nightly], sensors=[sensor],
         executor=dg.in_process_executor,
         resources={"pipeline": pipeline, "continuity": ContinuityClassifierResource(device=device or ""),
                    "embedder": EmbedderResource(device=device or "")})
     instance = product_instance(work / "home", args.instance)
+    sync_job = defs.resolve_job_def(archive_sync_job.name)
+
+    cpu: dict = {}  # this process's CPU seconds (every thread) of the last tick: a figure the box's other load moves less
 
     def evaluate(schedule):
         with dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime.now(timezone.utc),
                                        resources={"pipeline": pipeline}, repository_def=defs.get_repository_def()) as ctx:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             data = schedule.evaluate_tick(ctx)
+            cpu["last"] = time.process_time() - c
             return data, time.perf_counter() - t
+
+    def sense():
+        with dg.build_sensor_context(instance=instance, resources={"pipeline": pipeline},
+                                     repository_def=defs.get_repository_def()) as sctx, \
+                dg.partition_loading_context(dynamic_partitions_store=instance):  # as the sensor daemon evaluates
+            t, c = time.perf_counter(), time.process_time()
+            data = sensor.evaluate_tick(sctx)
+            cpu["last"] = time.process_time() - c
+            return data, time.perf_counter() - t
+
+    def sync_run(request=None):
+        """The archive sync as the Dagster run the ticks request (assets/archive_sync.py); its wall time."""
+        t = time.perf_counter()
+        result = sync_job.execute_in_process(instance=instance, tags=dict(request.tags) if request else None,
+                                             raise_on_error=True)
+        wall = time.perf_counter() - t
+        meta = {}
+        for ev in result.all_events:
+            if ev.event_type_value == "STEP_OUTPUT":
+                meta = {k: v.value for k, v in ev.step_output_data.metadata.items()}
+        return wall, meta
 
     def say(msg):
         print(f"[registry-scale {args.users}] {msg}", flush=True)
 
     try:
-        t = time.perf_counter()
-        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout())
-        out["ingest_s"] = round(time.perf_counter() - t, 2)  # the archive sync of every user (qumem run does it first)
+        wall, meta = sync_run()  # every user's turns: the whole archive read by one archive_sync run
+        out["ingest_s"] = round(wall, 2)
+        out["ingest_sync"] = {k: meta.get(k) for k in ("files_read", "rows_read", "rows_per_s", "users_rebuilt", "seconds")}
+        say(f"archive_sync run (whole archive): {out['ingest_s']}s, {meta.get('rows_read')} rows, "
+            f"{meta.get('users_rebuilt')} users")
+        found = discover(pipeline.archive(), {}, forgotten=pipeline.forgotten(), layout=pipeline.layout(), sync=False)
         t = time.perf_counter()
         added = register_users(instance, sorted(found.fingerprints), pipeline, found.fingerprints)
         out["register_s"] = round(time.perf_counter() - t, 2)
@@ -370,7 +449,7 @@ def registry_scale(args, archive: Path, work: Path, device: str | None) -> dict:
         again = register_users(instance, sorted(found.fingerprints), pipeline, found.fingerprints)
         out["register_again_s"] = round(time.perf_counter() - t, 2)  # idempotent: reads, appends nothing
         out.update(registered=len(added), registered_again=len(again))
-        say(f"ingest {out['ingest_s']}s, registered {len(added)} users in {out['register_s']}s (again: "
+        say(f"registered {len(added)} users in {out['register_s']}s (again: "
             f"{len(again)} in {out['register_again_s']}s)")
 
         plan, plan_s = evaluate(build)  # every user: planned into runs of ~a bucket
@@ -389,19 +468,36 @@ def registry_scale(args, archive: Path, work: Path, device: str | None) -> dict:
         out["finished_runs"] = len({r for r, _ in done})
 
         out["changed_users"] = _change_files(archive, args.changed)
+        # the sensor's tick before the sync: it lists the archive (no file read), requests the sync run
+        # and plans from the fingerprints table, which does not hold the change yet
+        first_sense, first_sense_s = sense()
+        sync_requests = [r for r in first_sense.run_requests if r.job_name == archive_sync_job.name]
+        out["sensor_before_sync_s"] = round(first_sense_s, 2)
+        out["sensor_before_sync_cpu_s"] = round(cpu["last"], 2)
+        out["sensor_before_sync_rebuild_runs"] = len(first_sense.run_requests) - len(sync_requests)
+        out["sensor_sync_requested"] = len(sync_requests)
+        say(f"sensor before the sync: {out['sensor_before_sync_s']}s, sync requested: {len(sync_requests)}, "
+            f"rebuild runs {out['sensor_before_sync_rebuild_runs']}")
+        wall, meta = sync_run(sync_requests[0] if sync_requests else None)
+        out["sync_run_s"] = round(wall, 2)  # the changed files' sync, as the run the sensor requested
+        out["sync_run"] = {k: meta.get(k) for k in ("files_read", "rows_read", "rows_per_s", "users_rebuilt", "seconds")}
+        say(f"archive_sync run ({out['changed_users']} users changed): {out['sync_run_s']}s, {meta.get('files_read')} files, "
+            f"{meta.get('users_rebuilt')} users rebuilt")
         tick, tick_s = evaluate(nightly)
-        out["tick_s"] = round(tick_s, 2)
+        out["tick_s"] = round(tick_s, 2)  # the nightly tick: plan only (no archive read)
+        out["tick_cpu_s"] = round(cpu["last"], 2)
         out["tick_runs_requested"] = len(tick.run_requests)
         out["tick_users_requested"] = sum(int(r.tags.get("qumem/nightly_users", 0)) for r in tick.run_requests)
-        say(f"nightly tick, {out['changed_users']} users changed: {out['tick_s']}s, {out['tick_runs_requested']} runs "
-            f"for {out['tick_users_requested']} users")
-        with dg.build_sensor_context(instance=instance, resources={"pipeline": pipeline},
-                                     repository_def=defs.get_repository_def()) as sctx:
-            t = time.perf_counter()
-            sensed = sensor.evaluate_tick(sctx)
-            out["sensor_s"] = round(time.perf_counter() - t, 2)
-        out["sensor_runs_requested"] = len(sensed.run_requests)
-        say(f"discovery sensor: {out['sensor_s']}s, {out['sensor_runs_requested']} runs")
+        say(f"nightly tick (plan only), {out['changed_users']} users changed: {out['tick_s']}s ({out['tick_cpu_s']} CPU s), "
+            f"{out['tick_runs_requested']} runs for {out['tick_users_requested']} users")
+        sensed, sensor_s = sense()
+        out["sensor_s"] = round(sensor_s, 2)  # no cursor: the full compare against every user's recorded fingerprint
+        out["sensor_cpu_s"] = round(cpu["last"], 2)
+        out["sensor_runs_requested"] = len([r for r in sensed.run_requests if r.job_name != archive_sync_job.name])
+        out["sensor_users_requested"] = sum(int(r.tags.get("qumem/discovered_users", 0)) for r in sensed.run_requests)
+        say(f"discovery sensor (plan only): {out['sensor_s']}s ({out['sensor_cpu_s']} CPU s), {out['sensor_runs_requested']} runs for "
+            f"{out['sensor_users_requested']} users")
+        out["tick_timeout_s"] = {"schedule": default_schedule_grpc_timeout(), "sensor": default_sensor_grpc_timeout()}
 
         # a planned bucket run's user resolution (what users_for_run does in each run), and a UI
         # backfill's (every registered user of one bucket)
@@ -424,31 +520,10 @@ def registry_scale(args, archive: Path, work: Path, device: str | None) -> dict:
         say(f"user resolution: planned run max {out['resolve_users_s']}s, a whole bucket ({len(bucket_users)} users) "
             f"{out['resolve_bucket_users_s']}s")
 
-        # the LLM-free stages on the tick's runs (the changed users' buckets): models loaded first, as
-        # in a long-lived worker (their load is reported on its own)
-        t = time.perf_counter()
-        _ = defs.resources["continuity"].model, defs.resources["embedder"].model  # the per-process cache (resources/models.py)
-        out["model_load_s"] = round(time.perf_counter() - t, 2)
-        walls: list = []
-        runs = tick.run_requests[: args.max_runs] if args.max_runs else tick.run_requests
-        wall, per_stage, n_turns = _execute(defs.resolve_job_def("scale_bench_job"), instance, runs, STAGES, walls)
-        stage = sum(per_stage.values())
-        later = walls[1:]
-        out.update({
-            "sample_runs": len(runs), "sample_users": sum(int(r.tags.get("qumem/nightly_users", 0)) for r in runs),
-            "sample_turns": n_turns, "sample_wall_s": round(wall, 2), "sample_stage_s": round(stage, 2),
-            "stage_s_by_asset": {k: round(v, 2) for k, v in per_stage.items()},
-            "overhead_at_1000": round((wall - stage) / wall, 4) if wall else None,
-            "first_run": {"wall_s": round(walls[0][0], 2), "stage_s": round(walls[0][1], 2)} if walls else None,
-            "later_runs_overhead": round(sum(w - s for w, s in later) / sum(w for w, _ in later), 4) if later else None,
-            "later_runs_overhead_s_per_run": round(sum(w - s for w, s in later) / len(later), 2) if later else None,
-        })
-        say(f"stages on {len(runs)} runs of 1000: wall {out['sample_wall_s']}s, stage {out['sample_stage_s']}s, "
-            f"overhead {out['overhead_at_1000']} (later runs {out['later_runs_overhead']})")
-        if len(runs) == len(tick.run_requests):
-            again, again_s = evaluate(nightly)
-            out["second_tick_s"] = round(again_s, 2)
-            out["second_tick_runs_requested"] = len(again.run_requests)
+        if args.no_stages:
+            out["stages"] = "skipped (--no-stages)"
+        else:
+            _stage_sample(args, defs, instance, tick, nightly, evaluate, say, out)
         out["registry_users"] = len(user_registry(pipeline).users())
         out["dynamic_partitions"] = len(instance.get_dynamic_partitions("users"))
         out["runs_in_instance"] = len(instance.get_run_records())
@@ -564,6 +639,9 @@ def main(argv=None) -> int:
     ap.add_argument("--build-users-per-run", type=int, default=0,
                     help="registry scale: users per `turns` run of the initial build (0 = users/64: about a bucket)")
     ap.add_argument("--no-ui", action="store_true", help="registry scale: skip the asset page")
+    ap.add_argument("--no-stages", action="store_true",
+                    help="registry scale: skip the LLM-free stage runs on the tick's runs (and their model load): "
+                         "registration, sync runs, tick, sensor and resolution only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import logging

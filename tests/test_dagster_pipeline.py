@@ -121,8 +121,9 @@ def test_definitions_load_and_snapshot(dagster_env, small_archive):
         "warehouse:personalization_evidence_turns_exist",
     ]
     repo = defs.get_repository_def()
-    assert {"main_job", "ingest_job", "forget_user_job"} <= {j.name for j in repo.get_all_jobs()}
+    assert {"main_job", "ingest_job", "forget_user_job", "archive_sync"} <= {j.name for j in repo.get_all_jobs()}
     assert [s.name for s in repo.sensor_defs] == ["user_discovery_sensor"]
+    assert {s.name for s in repo.schedule_defs} == {"nightly_incremental_rebuild", "archive_sync_schedule"}
 
 
 def test_main_job_materializes_every_asset_per_user(pipeline_run):
@@ -339,7 +340,11 @@ def test_forget_removes_canary_everywhere_and_keeps_others(pipeline_run):
         assert layout.read_user_table(t, "alice").equals(df), t
     with duckdb.connect(str(data_root / "warehouse.duckdb"), read_only=True) as con:
         assert con.execute("SELECT DISTINCT user_id FROM turns ORDER BY 1").fetchall() == [("alice",), ("chen",)]
-    # Rediscovery from the (unchanged) archive does not bring bob back.
+    # Rediscovery from the (unchanged) archive does not bring bob back: the archive sync run (the ticks
+    # only plan), then the sensor's tick over what it wrote.
+    from tests.ticks import run_archive_sync
+
+    run_archive_sync(instance, defs.resources["pipeline"])
     sensor_res = defs.resolve_sensor_def("user_discovery_sensor")(
         dg.build_sensor_context(instance=instance, resources={"pipeline": defs.resources["pipeline"]})
     )

@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import conversation, local_instance, write_jsonl
 from tests.schemes import partition_scheme
+from tests.ticks import run_archive_sync
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 TICK = "2026-11-30T02:00:00+00:00"
@@ -151,12 +152,14 @@ def test_bucket_nightly_rebuilds_changed_and_unfinished_users_only(tmp_path):
         def planned(req) -> int:
             return int(req.tags["qumem/run_users_count"])
 
+        run_archive_sync(instance, pipeline)  # the ticks only plan: the sync is its own run
         first = evaluate()
         assert [planned(r) for r in first.run_requests] == [3] and p.registered_users(instance, pipeline) == ["alice", "bob", "chen"]
         assert execute(first.run_requests[0]).success
         assert evaluate().run_requests == []  # unchanged: nothing
 
         _archive(archive, dict(BASE, bob=BASE["bob"] + ["He is better now.", "Great."]))
+        run_archive_sync(instance, pipeline)
         changed = evaluate()
         assert [planned(r) for r in changed.run_requests] == [1]
         assert changed.run_requests[0].partition_key == "b002"  # bob's bucket; chen (b002) not rebuilt

@@ -1,6 +1,8 @@
 """Nightly incremental schedule: real schedule evaluations against real `turns` materializations.
 
 Runs are kept to the `turns` asset (no models) so the event log is real and the test stays fast.
+The tick only plans from the fingerprints table: the archive sync is a run of the `archive_sync`
+job (requested by `archive_sync_schedule`), executed here through Dagster before the ticks.
 """
 
 import importlib
@@ -20,6 +22,7 @@ from qumem_pipeline.ingest.incremental import (
 )
 from resources import PipelineConfig
 from tests.conftest import conversation, local_instance, write_jsonl
+from tests.ticks import SYNC_JOB, run_archive_sync
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 TICK = datetime(2026, 11, 30, 2, 0, tzinfo=timezone.utc)
@@ -115,6 +118,9 @@ def test_schedule_requests_only_new_and_changed_users(tmp_path, instance):
     pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
     schedule = build_nightly_schedule(job=turns_job, users_per_run=50, final_asset="turns")
 
+    # Before any archive sync the tick has nothing to plan from, and says so (no user counts as gone).
+    assert "no archive sync" in _evaluate(schedule, instance, pipeline).skip_message
+    run_archive_sync(instance, pipeline)
     # First night: everyone is new -> registered, one range run of all three.
     first = _evaluate(schedule, instance, pipeline)
     assert [_users_of(r) for r in first.run_requests] == [("alice", "chen")]
@@ -129,6 +135,9 @@ def test_schedule_requests_only_new_and_changed_users(tmp_path, instance):
     # Bob's rows change and dan arrives: exactly those two, as two runs (chen sits between them).
     changed = dict(base, bob=base["bob"] + ["He is better now.", "Great news."], dan=["New here.", "Welcome."])
     _archive(archive, changed)
+    # The tick reads no archive file: the change is not in its plan until the sync run read it.
+    assert _evaluate(schedule, instance, pipeline).run_requests == []
+    run_archive_sync(instance, pipeline)
     third = _evaluate(schedule, instance, pipeline)
     assert [_users_of(r) for r in third.run_requests] == [("bob", "bob"), ("dan", "dan")]
     assert instance.get_dynamic_partitions("users") == ["alice", "bob", "chen", "dan"]
@@ -146,6 +155,7 @@ def test_schedule_ranges_respect_users_per_run(tmp_path, instance):
     _archive(archive, users)
     pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
     schedule = build_nightly_schedule(job=turns_job, users_per_run=2, final_asset="turns")
+    run_archive_sync(instance, pipeline)
     res = _evaluate(schedule, instance, pipeline)
     assert [_users_of(r) for r in res.run_requests] == [("u0", "u1"), ("u2", "u3"), ("u4", "u4")]
 
@@ -162,6 +172,9 @@ def test_definitions_register_the_stopped_nightly_schedule(monkeypatch):
         assert sched.cron_schedule == "30 3 * * *" and sched.execution_timezone == "UTC"
         assert sched.default_status == dg.DefaultScheduleStatus.STOPPED
         assert sched.job_name == "main_job"
+        sync = d.build_definitions().get_schedule_def("archive_sync_schedule")  # its companion: the sync run first
+        assert sync.job_name == SYNC_JOB and sync.default_status == dg.DefaultScheduleStatus.STOPPED
+        assert sync.cron_schedule == "0 1 * * *"
     finally:
         monkeypatch.delenv("QUMEM_NIGHTLY_CRON")
         importlib.reload(s)
@@ -198,6 +211,7 @@ def test_schedule_finishes_users_whose_run_failed_after_turns(tmp_path, instance
         return defs.resolve_job_def("turns_and_counts").execute_in_process(
             instance=instance, tags=dict(request.tags), raise_on_error=False)
 
+    run_archive_sync(instance, pipeline)
     first = evaluate()
     assert [_users_of(r) for r in first.run_requests] == [("alice", "bob")]
     FAIL_DOWNSTREAM["on"] = True

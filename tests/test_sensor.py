@@ -1,7 +1,9 @@
 """Discovery sensor: real sensor evaluations against real `turns` runs, in both partition schemes.
 
 New or changed users are packed into range runs of at most users_per_run; the cursor is one
-digest (state lives in the instance), and an unchanged archive requests nothing.
+digest (state lives in the instance), and an unchanged archive requests nothing. The tick reads no
+archive file: it requests the `archive_sync` run (executed here through Dagster, as the daemon
+would launch it) and plans from the fingerprints table once that run changed it.
 """
 
 import re
@@ -11,6 +13,7 @@ import pytest
 
 from tests.conftest import conversation, local_instance, write_jsonl
 from tests.schemes import partition_scheme
+from tests.ticks import SYNC_JOB, rebuild_requests, run_archive_sync, sync_requests
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 
@@ -46,6 +49,10 @@ def _must_not_read(*a, **k):
     raise AssertionError("the tick read the fingerprints table although its files had not changed")
 
 
+def _must_not_open(*a, **k):
+    raise AssertionError("the tick opened an archive file")
+
+
 def _skipped(res) -> bool:
     """Nothing requested: a bare SkipReason, or a result that only moves the cursor."""
     return isinstance(res, dg.SkipReason) or (isinstance(res, dg.SensorResult) and not res.run_requests
@@ -72,7 +79,7 @@ def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme, mo
     pipeline = PipelineConfig(data_root=str(tmp_path / "data"), archive_path=str(archive))
     job = dg.define_asset_job("turns_only", selection=[turns], partitions_def=partitions.users_partitions)
     defs = dg.Definitions(assets=[turns], jobs=[job], resources={"pipeline": pipeline})
-    sensor = modules["assets.sensors"].build_discovery_sensor(job_name="turns_only", users_per_run=2)
+    sensor = modules["assets.sensors"].build_discovery_sensor(job=job, users_per_run=2)
 
     with local_instance(tmp_path / "home") as instance:
         def tick(cursor=None):
@@ -94,7 +101,13 @@ def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme, mo
         def registered():
             return partitions.registered_users(instance, pipeline)
 
-        first = tick()
+        # before any sync: the tick only requests the archive_sync run (the table holds nobody yet)
+        before = tick()
+        [sync] = sync_requests(before)
+        assert rebuild_requests(before) == [] and registered() == []
+        run_archive_sync(instance, pipeline, sync)
+        first = tick(before.cursor)
+        assert sync_requests(first) == []  # the archive is in step with the tables now
         # registered by the tick itself (then checked against the forget registry), not by the daemon
         assert first.dynamic_partitions_requests == []
         if name == "users":
@@ -122,8 +135,15 @@ def test_sensor_packs_new_and_changed_users_into_range_runs(tmp_path, scheme, mo
         moved = tick(f"f{'0' * 16}:{digest}")
         assert _skipped(moved) and moved.cursor == first.cursor
 
-        # bob changes, dan arrives: exactly those two, never alice or chen
+        # bob changes, dan arrives: the tick sees it only once the sync run it requests has run
         _archive(archive, dict(BASE, bob=BASE["bob"] + ["He is better now.", "Great."], dan=["New here.", "Welcome."]))
+        with monkeypatch.context() as m:  # the tick opens no archive file, and reads no fingerprint (same files)
+            m.setattr("qumem_pipeline.ingest.sync.stored_fingerprints", _must_not_read)
+            m.setattr("qumem_pipeline.ingest.manifest.hash_file", _must_not_open)
+            pending = tick(first.cursor)
+        [sync] = sync_requests(pending)
+        assert rebuild_requests(pending) == [] and registered() == ["alice", "bob", "chen"]
+        run_archive_sync(instance, pipeline, sync)
         third = tick(first.cursor)
         assert third.dynamic_partitions_requests == []
         assert registered() == ["alice", "bob", "chen", "dan"]

@@ -150,6 +150,9 @@ def test_withdrawn_file_empties_the_user_everywhere_on_the_next_nightly(tmp_path
             assert result.success
             return result
 
+        from tests.ticks import rebuild_requests, run_archive_sync, sync_requests
+
+        run_archive_sync(instance, pipeline)  # the ticks only plan: the archive sync is its own run
         first = nightly()
         assert [(r.tags[RANGE_START], r.tags[RANGE_END]) for r in first.run_requests] == [("alice", "bob")]
         run(first.run_requests[0])
@@ -162,7 +165,13 @@ def test_withdrawn_file_empties_the_user_everywhere_on_the_next_nightly(tmp_path
 
         # The operator withdraws bob's source file. The discovery sensor would request bob alone too.
         (archive / "bob.jsonl").unlink()
+        # The discovery sensor's tick reads no archive file: it requests the sync run first, and once
+        # that run removed bob's rows, it requests bob alone too.
         sensor = defs.get_sensor_def("user_discovery_sensor")
+        sensed = sensor(dg.build_sensor_context(instance=instance, resources={"pipeline": pipeline}))
+        [sync] = sync_requests(sensed)
+        assert rebuild_requests(sensed) == []
+        run_archive_sync(instance, pipeline, sync)
         sensed = sensor(dg.build_sensor_context(instance=instance, resources={"pipeline": pipeline}))
         assert [r.partition_key for r in sensed.run_requests] == ["bob"]
 

@@ -1,7 +1,8 @@
 """No tick re-adds a forgotten id (issue 51, item 4): a forget that lands while a discovery-sensor or
 nightly-schedule tick is between reading the archive and registering its users leaves no partition,
 no registry row and no run request naming the user, in both partition schemes. Real sensor and
-schedule evaluations on a real (SQLite) instance, real Delta tables, the real forget."""
+schedule evaluations on a real (SQLite) instance, real Delta tables, the real forget. The ticks only
+plan from the fingerprints table, so the archive sync runs first, as the real `archive_sync` run."""
 
 from datetime import datetime, timezone
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.conftest import conversation, local_instance, write_jsonl
 from tests.schemes import partition_scheme
+from tests.ticks import rebuild_requests, run_archive_sync
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 
@@ -49,8 +51,10 @@ def test_a_forget_during_a_tick_is_not_undone_by_it(tmp_path, scheme, tick_kind,
     real_discover = module.discover
 
     with local_instance(tmp_path / "home") as instance:
+        run_archive_sync(instance, pipeline)
+
         def discover_then_forget(*a, **kw):
-            """The tick has read the archive (alice in it); now a whole forget lands, instance part included."""
+            """The tick has read the fingerprints (alice in them); now a whole forget lands, instance part included."""
             found = real_discover(*a, **kw)
             assert "alice" in found.fingerprints
             forget_user(root, None, "alice")
@@ -61,7 +65,7 @@ def test_a_forget_during_a_tick_is_not_undone_by_it(tmp_path, scheme, tick_kind,
 
         monkeypatch.setattr(module, "discover", discover_then_forget)
         if tick_kind == "sensor":
-            sensor = module.build_discovery_sensor(job_name="main_job", users_per_run=50)
+            sensor = module.build_discovery_sensor(job=modules["assets.definitions"].main_job, users_per_run=50)
             res = sensor(dg.build_sensor_context(instance=instance, resources={"pipeline": pipeline}))
             for req in res.dynamic_partitions_requests:  # what the daemon would apply after the tick
                 instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
@@ -75,7 +79,7 @@ def test_a_forget_during_a_tick_is_not_undone_by_it(tmp_path, scheme, tick_kind,
                                            resources={"pipeline": pipeline},
                                            repository_def=defs.get_repository_def()) as ctx:
                 res = schedule.evaluate_tick(ctx)
-        requests = res.run_requests or []
+        requests = rebuild_requests(res)
         assert "alice" not in instance.get_dynamic_partitions(partitions.USER_REGISTRY)
         assert "alice" not in partitions.registered_users(instance, pipeline)
         named = sorted(u for r in requests for u in _named_users(r, instance, modules, pipeline))

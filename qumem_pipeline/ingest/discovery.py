@@ -2,8 +2,11 @@
 
 With a layout, discovery first brings the tables up to date with the archive (`sync_archive`:
 only new or changed files are read) and then takes every user's fingerprint from the
-fingerprints table, so a nightly check costs O(changed files), not O(archive). Without one it
-reads and validates the whole archive in memory (the old path, kept for tools and tests).
+fingerprints table, so a check costs O(changed files), not O(archive). With `sync=False` (the
+nightly schedule's and the discovery sensor's ticks) it reads the fingerprints table only, as the
+last sync left it: the sync runs in a Dagster run of its own (assets/archive_sync.py), not inside
+a tick and its evaluation timeout. Without a layout it reads and validates the whole archive in
+memory (the old path, kept for tools and tests).
 """
 
 from dataclasses import dataclass
@@ -23,8 +26,9 @@ class Discovery:
 
 
 def discover(cfg: ArchiveConfig, known: dict[str, str], forgotten: ForgetRegistry | None = None, layout=None,
-             progress=None, unless_state: str | None = None) -> Discovery | None:
+             progress=None, unless_state: str | None = None, sync: bool = True) -> Discovery | None:
     """`progress(stage, done, total)`: the sync's progress (`sync_archive`), when there is a layout.
+    `sync=False`: no archive file is listed or read, the fingerprints table is taken as it stands.
 
     `unless_state` (with a layout): None, and no fingerprint read, when after the sync the
     fingerprints table still holds the same data files (`TableStore.content_state`): no fingerprint
@@ -34,7 +38,8 @@ def discover(cfg: ArchiveConfig, known: dict[str, str], forgotten: ForgetRegistr
     if layout is not None:
         from qumem_pipeline.ingest.sync import stored_fingerprints, sync_archive
 
-        sync_archive(cfg, layout, forgotten=forgotten, progress=progress)
+        if sync:
+            sync_archive(cfg, layout, forgotten=forgotten, progress=progress)
         state = layout.store.content_state("fingerprints")
         if unless_state is not None and state == unless_state:
             return None

@@ -134,10 +134,12 @@ def read_manifest(layout) -> dict[str, dict]:
     return {} if df is None else {r["file_id"]: r for r in df.iter_rows(named=True)}
 
 
-def plan_files(files: list[ArchiveFile], manifest: dict[str, dict], ingest_version: str, keyed=None) -> FilePlan:
+def plan_files(files: list[ArchiveFile], manifest: dict[str, dict], ingest_version: str, keyed=None,
+               hash_moved: bool = True) -> FilePlan:
     """Sort the archive's files into new / changed / unchanged / gone; hash only those whose
     size or mtime moved (an unchanged archive is not read at all). `keyed(file_id)`: the keyed ids
-    a file of forgotten users may be listed under (`keyed_file_ids`), tried only when some are."""
+    a file of forgotten users may be listed under (`keyed_file_ids`), tried only when some are.
+    `hash_moved=False` (a tick's look: no file is opened) counts a moved file as changed unhashed."""
     plan = FilePlan(files=files, old=manifest)
     any_keyed = keyed is not None and any(is_keyed(k) for k in manifest)
     for f in files:
@@ -153,6 +155,8 @@ def plan_files(files: list[ArchiveFile], manifest: dict[str, dict], ingest_versi
             plan.changed.append(f)
         elif (row["size"], row["mtime_ns"]) == (f.size, f.mtime_ns):
             plan.unchanged.append(f)
+        elif not hash_moved:
+            plan.changed.append(f)
         else:
             digest = hash_file(f.path)
             plan.hashes[f.file_id] = digest

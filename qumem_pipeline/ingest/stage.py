@@ -40,6 +40,19 @@ def run_turns(layout, archive, users: list[str], *, forgotten: Callable, max_qua
               progress: ProgressLine) -> TurnsRun:
     """Sync the archive into the tables, then the run users' figures and checks (see the module doc).
     `forgotten()` reads the forget registry now (read before the sync and again after it)."""
+    report, blocked = checked_sync(layout, archive, forgotten=forgotten, max_quarantine_fraction=max_quarantine_fraction,
+                                   log=log, debug=debug, progress=progress)
+    if blocked:
+        return TurnsRun(blocked, None, {"users": len(users), "blocked_by": report})
+    fault_point("turns.synced")  # interleaving tests: the archive sync committed, this step's reads not yet done
+    return _report(layout, users, report, forgotten, max_quarantine_fraction, log)
+
+
+def checked_sync(layout, archive, *, forgotten: Callable, max_quarantine_fraction: float,
+                 log: Callable[[str], None], debug: Callable[[str], None], progress: ProgressLine):
+    """`sync_archive` behind the turns stage's blocking checks, with progress lines: what the `turns`
+    asset and the `archive_sync` job (assets/archive_sync.py) both run. Returns (SyncReport, {}) or,
+    when a blocking check stopped a group's commit, (the failed checks' names, their outcomes)."""
     blocked: dict[str, checks.CheckOutcome] = {}
 
     def before_commit(turns_rows: pl.DataFrame, quarantine_rows: pl.DataFrame) -> None:
@@ -69,11 +82,10 @@ def run_turns(layout, archive, users: list[str], *, forgotten: Callable, max_qua
     except BlockedByChecks as exc:
         log(f"blocking checks failed ({exc}): nothing of those users written, the previous version "
             "stays; the files stay pending, so the next run redoes them")
-        return TurnsRun(blocked, None, {"users": len(users), "blocked_by": str(exc)})
-    fault_point("turns.synced")  # interleaving tests: the archive sync committed, this step's reads not yet done
+        return str(exc), blocked
     log(f"archive sync: {len(report.new)} new, {len(report.changed)} changed, {len(report.gone)} gone, "
         f"{report.unchanged} unchanged files; {report.files_read} read, {report.users_rebuilt} users rebuilt")
-    return _report(layout, users, report, forgotten, max_quarantine_fraction, log)
+    return report, {}
 
 
 def _checks(turns_schema: pl.DataFrame, n_turns: int, n_quarantined: int, ceiling: float) -> dict:

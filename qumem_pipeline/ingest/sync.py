@@ -202,6 +202,37 @@ def sync_archive(
     return report
 
 
+@dataclass(frozen=True)
+class ArchiveLook:
+    """What a tick may know of the archive without reading a file: its listing against the manifest."""
+
+    files: int
+    new: int
+    changed: int  # size or mtime moved (not hashed: a touched file counts), pending, or older ingest rules
+    gone: int
+    # digest of the listing (file ids, sizes, mtimes) and the ingest version: what a sync is planned on. Not
+    # of the manifest's verdict, which a failed sync moves (its files marked pending) on the same archive
+    state: str
+
+    @property
+    def behind(self) -> bool:
+        """The tables may not hold what the archive holds: a sync has work (or at least a hash) to do."""
+        return bool(self.new or self.changed or self.gone)
+
+
+def look_at_archive(cfg: ArchiveConfig, layout, forgotten=None) -> ArchiveLook:
+    """The archive's listing (a stat per file) against the ingest manifest (one row per file), with
+    no file opened, no lock taken and nothing written: what the discovery sensor and the archive
+    sync schedule check before they request an `archive_sync` run (assets/archive_sync.py)."""
+    version = ingest_version(cfg)
+    files = list_archive(cfg.path, cfg.format)
+    plan = plan_files(files, read_manifest(layout), version, keyed=_file_keyer(forgotten), hash_moved=False)
+    h = hashlib.sha256(version.encode())
+    for f in files:
+        h.update(f"{f.file_id}\t{f.size}\t{f.mtime_ns}\n".encode())
+    return ArchiveLook(len(files), len(plan.new), len(plan.changed), len(plan.gone), h.hexdigest())
+
+
 def _host_path(layout, suffix: str) -> Path:
     """This host's lock file (".lock") or scratch parent (".scratch") of the layout's data root."""
     key = hashlib.sha256(str(getattr(layout, "root", id(layout))).encode()).hexdigest()[:16]
