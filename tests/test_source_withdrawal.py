@@ -112,7 +112,7 @@ def _snapshot(layout: DataLayout, user: str) -> dict:
     return {t: (df.rows() if (df := _rows(layout, t, user)) is not None else None) for t in ["turns"] + DOWNSTREAM + SPARSE}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # two archive_sync runs besides the pipeline's: the ticks only plan
 def test_withdrawn_file_empties_the_user_everywhere_on_the_next_nightly(tmp_path):
     archive = tmp_path / "archive"
     write_jsonl(archive / "alice.jsonl", conversation("alice", "c1", [
