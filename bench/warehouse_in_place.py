@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     out: dict = {"turns": args.turns, "users": args.users}
     try:
         archive, data = work / "archive", work / "data"
-        shutil.rmtree(work / "archive", ignore_errors=True), shutil.rmtree(data, ignore_errors=True)
+        for d in (archive, data, work / "warehouse"):  # a kept --work folder starts over
+            shutil.rmtree(d, ignore_errors=True)
         generate(archive, args.turns, args.users)
         out["bad_rows"] = bad_rows(archive)
         layout = DataLayout(data)
