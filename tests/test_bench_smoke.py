@@ -153,6 +153,21 @@ def test_classifier_throughput_smallest():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_scale_registry_ticks_only_plan():
+    """The registry scale, ticks only: the sensor's tick before the sync requests the sync run and no rebuild;
+    after that run, the nightly tick and the sensor plan exactly the changed users."""
+    got = run_bench("bench/scale.py", "--registry-scale", "--users", "2000", "--turns", "4", "--no-stages", "--no-ui",
+                    timeout=1500)
+    assert got["sensor_sync_requested"] == 1 and got["sensor_before_sync_rebuild_runs"] == 0
+    assert got["changed_users"] > 0 and got["tick_users_requested"] == got["changed_users"]
+    assert got["sensor_users_requested"] == got["changed_users"]
+    assert got["sync_run"]["users_rebuilt"] == got["changed_users"] and got["ingest_sync"]["rows_read"] == 8000
+    assert {"tick_s", "tick_cpu_s", "sensor_s", "sensor_cpu_s", "sync_run_s"} <= got.keys()
+    assert got["tick_timeout_s"]["schedule"] > 0 and got["tick_timeout_s"]["sensor"] > 0
+
+
+@pytest.mark.slow
 def test_scale_smallest():
     got = run_bench("bench/scale.py", "--users", "4", "--turns", "10", "--one-per-run-users", "2", "--configs", "1,4")
     assert {"users", "configs"} <= got.keys()
