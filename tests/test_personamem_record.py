@@ -10,14 +10,19 @@ from qumem_pipeline.eval.record import REPO_ROOT, EvalRecord
 from qumem_pipeline.runtime.datasets import ENV_VAR, shared_datasets_dir
 
 RECORD_ROOT = REPO_ROOT / "eval_record"
-TABLE = "personamem_qwen15b_ctx1_dev"
+# the dev half (every strategy: where the change was chosen) and the test half (the served default, its baseline and
+# the dev leader: where it was confirmed)
+TABLES = {"personamem_qwen15b_ctx1_dev": {"none", "topk_turns", "qumem", "adamem", "qumem_hybrid"},
+          "personamem_qwen15b_ctx1_test": {"topk_turns", "adamem", "qumem_hybrid"}}
 PM = shared_datasets_dir() / "personamem"
 
 
 @pytest.mark.skipif(not (PM / "questions_128k.csv").exists(), reason=f"PersonaMem files not at {PM} (set {ENV_VAR})")
-def test_the_personamem_table_replays_from_the_record_with_no_model(monkeypatch, capsys):
+@pytest.mark.parametrize("table", sorted(TABLES))
+def test_the_personamem_table_replays_from_the_record_with_no_model(monkeypatch, capsys, table):
     from qumem_pipeline.eval.record_cli import check
 
+    TABLE = table
     monkeypatch.setenv("QUMEM_LLM_KIND", "no-such-backend")  # any model start would fail loudly
     path = RECORD_ROOT / "tables" / f"{TABLE}.json"
     assert path.is_file(), f"{path} not committed"
@@ -26,6 +31,7 @@ def test_the_personamem_table_replays_from_the_record_with_no_model(monkeypatch,
     assert rc == 0 and json.loads(out.strip().splitlines()[-1]) == {"tables": {TABLE: "same"}, "rc": 0}, out
     fig = json.loads(path.read_text())["figures"]
     assert fig["replayed"]["missing_calls"] == 0 and fig["n_questions"] > 0
-    assert {"none", "topk_turns", "qumem", "adamem"} <= set(fig["accuracy"])
+    assert TABLES[table] <= set(fig["accuracy"])
+    assert set(fig["splits"]) == {"dev", "test"} and fig["splits"][table.rsplit("_", 1)[1]] == fig["n_questions"]
     for s, v in fig["vs_topk_turns"].items():
         assert 0 < v["n"] <= fig["n_scored"][s] and v["ci95"][0] <= v["delta"] <= v["ci95"][1], s
