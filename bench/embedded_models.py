@@ -139,7 +139,8 @@ def compare_checkpoints(roots: list[Path]) -> dict:
 COLUMNS = [("model", "model", 26), ("wall_s", "wall s", 7), ("cpu_s", "cpu s", 7), ("load_before", "load", 5),
            ("schema_valid_rate", "valid", 6), ("memories", "mems", 5), ("template_slot_rate", "slots", 6),
            ("near_empty_rate", "empty", 6), ("repeated_phrase_rate", "repeat", 6), ("grounded_rate", "ground", 6),
-           ("label_state_rate", "labels", 6), ("empty_state_rate", "e.st", 5)]
+           ("label_state_rate", "labels", 6), ("empty_state_rate", "e.st", 5),
+           ("citing_state_rate", "cites", 5)]
 
 
 def table(rows: list[dict]) -> str:

@@ -215,11 +215,13 @@ def test_embedded_model_decodes_against_its_cut_bounds(local):
     from qumem_pipeline.memories.call_ledger import CheckpointedLLM
     from qumem_pipeline.memories.decompose import decompose_requests
 
-    assert local.output_bounds == "items/3,chars/2"
+    assert local.output_bounds == "items/3,chars/2,plain"
     reqs = decompose_requests([EPISODE], max_tokens=160)
     ok = [r for r in local.generate(reqs) if r.ok]
     assert ok, "no generation succeeded: the bounds were checked on nothing"
     for r in ok:  # 3 turns: at most ceil(3 / 3) = 1 memory citing at most 1 turn
         assert len(r.parsed["memories"]) <= 1 and all(len(m["evidence_turn_ids"]) <= 1 for m in r.parsed["memories"])
-    assert model_identity(local)["decoding"]["output_bounds"] == "items/3,chars/2"
-    assert CheckpointedLLM(local, None, code_version="t").decoding["output_bounds"] == "items/3,chars/2"
+        # ",plain": free text holds no bracket or quote, so no "[user_name]" slot
+        assert not any(set(m["content"]) & set('[]{}<>"') for m in r.parsed["memories"]), r.parsed
+    assert model_identity(local)["decoding"]["output_bounds"] == "items/3,chars/2,plain"
+    assert CheckpointedLLM(local, None, code_version="t").decoding["output_bounds"] == "items/3,chars/2,plain"

@@ -112,6 +112,7 @@ def test_rates_on_tables():
     assert got["grounded_rate"] == 0.75
     assert got["near_empty_rate"] == 0.0
     assert got["label_state_rate"] == 0.5 and got["empty_state_rate"] == 0.0
+    assert got["citing_state_rate"] == 0.5  # u1 cites m1; u2 cites nothing
     assert got["examples"]["ungrounded"].startswith("Bob loves jazz")
     assert rd.misses(got)["template_slot_rate"] == pytest.approx(0.23)
     assert rd.misses(got)["label_state_rate"] == pytest.approx(0.4)

@@ -6,6 +6,8 @@ from qumem_pipeline.memories.readability import state_made_of_labels
 
 import json
 
+import pytest
+
 CANDS = [RetrievedMemory(f"mem-{i}", "preference", f"Kai likes genre {i} music.", i, 1.0) for i in range(1, 12)]
 # the 1.5B model's state for PersonaMem question e8e32fa7, in shape: a preference trajectory of aliases
 STATE = {
@@ -45,3 +47,38 @@ def test_text_without_aliases_and_words_like_m_sizes_stay():
     assert expand_aliases("M1 -> M1", mem) == ("x", ["mem-1"], 0)
     # the embedded model's "[m1]" (README's state before this rule: "The user is a chemist at a [m1]")
     assert expand_aliases("The user is a chemist at a [m1]", mem) == ('The user is a chemist at a ["x"]', ["mem-1"], 0)
+
+
+def test_a_wrapped_or_lowercase_citation_names_the_memory_it_wraps():
+    """The embedded model cites "[m1]": it names M1, while "1" or "memory 1" name nothing."""
+    state = {"facts": [{"statement": "Bob swims now.", "memory_ids": ["[m1]", "(M2)", " m3 ", "1", "mem"]}],
+             "preference_trajectory": [], "insights": []}
+    out, cited, dropped = resolve_citations(state, CANDS)
+    assert cited == ["mem-1", "mem-2", "mem-3"] and dropped == 2
+    assert out["facts"][0]["memory_ids"] == ["mem-1", "mem-2", "mem-3"]
+
+
+def test_the_embedded_profile_decodes_citations_as_the_shown_aliases_only():
+    """A plain-text profile's state calls cite one of M1..Mn; other backends decode against the schema."""
+    import jsonschema
+
+    from qumem_pipeline.query.strategies.base import USER_STATE_SCHEMA, alias_constraint
+
+    class Embedded:
+        output_bounds = "items/3,chars/2,plain"
+
+    class Served:
+        output_bounds = None
+
+    assert alias_constraint(Served(), USER_STATE_SCHEMA, 3) is None
+    tight = alias_constraint(Embedded(), USER_STATE_SCHEMA, 2)
+    state = {"facts": [{"statement": "Bob swims.", "memory_ids": ["M1", "M2"]}], "preference_trajectory": [],
+             "insights": []}
+    jsonschema.validate(state, tight)
+    for bad in (["M1_2"], ["M3"], ["[m1]"]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**state, "facts": [{"statement": "Bob swims.", "memory_ids": bad}]}, tight)
+    none_shown = alias_constraint(Embedded(), USER_STATE_SCHEMA, 0)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(state, none_shown)
+    jsonschema.validate(state, USER_STATE_SCHEMA)  # what it allows, the schema the output is read by allows

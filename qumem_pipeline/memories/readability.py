@@ -181,12 +181,14 @@ def memory_rates(memories: pl.DataFrame, turns: pl.DataFrame) -> dict[str, Any]:
 
 
 def state_rates(states: pl.DataFrame, memory_ids_by_user: dict[str, set[str]] | None = None) -> dict[str, Any]:
-    """Share of `query_states` rows whose state is made of labels, and of empty ones."""
+    """Share of `query_states` rows whose state is made of labels, of empty ones, and of those citing evidence
+    (a memory, turn or profile: a state that cites nothing cannot be checked against what the user said)."""
     ids = memory_ids_by_user or {}
-    n = labels = empty = 0
+    n = labels = empty = citing = 0
     example = None
     for s in states.iter_rows(named=True):
         n += 1
+        citing += bool(s.get("cited_memory_ids"))
         known = set(ids.get(s["user_id"], set())) | set(s.get("cited_memory_ids") or [])
         if state_is_empty(s.get("state")):
             empty += 1
@@ -194,7 +196,7 @@ def state_rates(states: pl.DataFrame, memory_ids_by_user: dict[str, set[str]] | 
             labels += 1
             example = example or " | ".join(state_texts(s.get("state")))[:200]
     return {"states": n, "label_state_rate": _rate(labels, n), "empty_state_rate": _rate(empty, n),
-            "label_state_example": example}
+            "citing_state_rate": _rate(citing, n), "label_state_example": example}
 
 
 def schema_valid_rate(ledger: pl.DataFrame | None, quarantine: pl.DataFrame | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ on) is at or before the query's ``as_of_position``; ``check_no_future`` enforces
 retriever returns (defence in depth: retrievers already mask future units).
 """
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -191,6 +192,45 @@ def render_candidates(cands: list[RetrievedMemory]) -> str:
     return "Retrieved memories (oldest first):\n" + "\n".join(lines)
 
 
+def alias_constraint(llm: Any, schema: dict, n_shown: int) -> dict | None:
+    """A decoding schema whose ``memory_ids`` admit only the n aliases shown (M1..Mn), for a backend whose
+    profile decodes plain text (the embedded small models), else None (decode against ``schema``).
+
+    Why: the embedded 135M model cites "M1_2" for M1 and M2, so every citation of its states was dropped
+    and its states rested on nothing (tests/test_dagster_pipeline.py). Larger models cite the aliases as
+    shown; their recorded calls keep the schema they were made with."""
+    from qumem_pipeline.llm.model_profiles import output_bounds_of
+
+    bounds = output_bounds_of(llm) or ""
+    if "plain" not in bounds.split(","):
+        return None
+    shown = [f"M{i}" for i in range(1, n_shown + 1)]
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        ids = out.get("properties", {}).get("memory_ids")
+        if ids is not None:
+            out["properties"] = {**out["properties"], "memory_ids": (
+                {**ids, "items": {"type": "string", "enum": shown}} if shown else {**ids, "maxItems": 0})}
+        return out
+
+    return walk(schema)
+
+
+_CITED_ALIAS = re.compile(r"^\W*[Mm]\s*(\d{1,3})\W*$")
+
+
+def citation_alias(value: object) -> str | None:
+    """"M3" for a cited "M3", "m3", "[m3]" or "(M3)": small models wrap the alias they were shown (the embedded
+    135M model writes "[m1]"), and a wrapped alias still names one shown memory."""
+    m = _CITED_ALIAS.match(str(value))
+    return f"M{int(m.group(1))}" if m else None
+
+
 def resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict, list[str], int]:
     """Replace aliases (M3) with memory ids; drop citations of anything not retrieved. Aliases written in
     the state's text become the memories' texts (``state_labels``), cited by the item."""
@@ -205,7 +245,7 @@ def resolve_citations(state: dict, cands: list[RetrievedMemory]) -> tuple[dict, 
         for item in state.get(section, []) or []:
             ids = []
             for a in item.get("memory_ids", []) or []:
-                mid = alias.get(str(a).strip().upper())
+                mid = alias.get(citation_alias(a))
                 if mid is None:
                     dropped += 1
                 elif mid not in ids:

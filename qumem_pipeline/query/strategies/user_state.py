@@ -21,7 +21,8 @@ from qumem_pipeline.query.strategies.agents import (
     A3_MAX_TOKENS, A3_SCHEMA, A3_SYSTEM, QUERY_PROMPT_VERSION, RESPONSE_MAX_TOKENS, RESPONSE_SCHEMA, RESPONSE_SYSTEM,
 )
 from qumem_pipeline.query.strategies.base import (
-    Progress, Query, Retriever, StateOutput, TokenCounts, answer_queries, candidate_index, candidate_structs,
+    Progress, Query, Retriever, StateOutput, TokenCounts, alias_constraint, answer_queries, candidate_index,
+    candidate_structs,
     check_no_future, cited_turns, output_frames, quarantine_row, render_candidates, resolve_citations, user_message,
 )
 
@@ -101,7 +102,8 @@ def infer_from_plans(
         ChatRequest(f"{q.query_id}/a3",
                     [{"role": "system", "content": A3_SYSTEM},
                      {"role": "user", "content": user_message(q, render_candidates(candidates[i]) + "\n\nReturn the user state as JSON.")}],
-                    A3_SCHEMA, A3_MAX_TOKENS, "user_state", metadata=call_tags(q.user_id, A3, q.query_id))
+                    A3_SCHEMA, A3_MAX_TOKENS, "user_state", metadata=call_tags(q.user_id, A3, q.query_id),
+                    constraint_schema=alias_constraint(llm, A3_SCHEMA, len(candidates[i])))
         for i, q in enumerate(queries)
     ])
     states: list[dict | None] = [None] * n

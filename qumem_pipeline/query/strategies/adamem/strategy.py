@@ -30,7 +30,8 @@ from qumem_pipeline.query.strategies.adamem.retriever import DEFAULT_K, AdaMemRe
 from qumem_pipeline.query.strategies.user_state import merge_candidates
 from qumem_pipeline.query.strategies.adamem.route import plan_route
 from qumem_pipeline.query.strategies.base import (
-    USER_STATE_SCHEMA, Progress, Query, QueryStrategy, RetrievedMemory, StateOutput, TokenCounts, answer_queries,
+    USER_STATE_SCHEMA, Progress, Query, QueryStrategy, RetrievedMemory, StateOutput, TokenCounts, alias_constraint,
+    answer_queries,
     candidate_index, candidate_structs, check_no_future, cited_turns, output_frames, quarantine_row,
     render_candidates, resolve_citations, user_message,
 )
@@ -106,7 +107,8 @@ class _AdaMemRun:
                          {"role": "user", "content": user_message(q[i], render_candidates(self.candidates[i])
                                                                   + "\n\nReturn the research notes as JSON.")}],
                         RESEARCH_SCHEMA, RESEARCH_MAX_TOKENS, "research",
-                        metadata=call_tags(q[i].user_id, RESEARCH, q[i].query_id))
+                        metadata=call_tags(q[i].user_id, RESEARCH, q[i].query_id),
+                        constraint_schema=alias_constraint(self.llm, RESEARCH_SCHEMA, len(self.candidates[i])))
             for i in todo
         ])
         follow: list[int] = []
