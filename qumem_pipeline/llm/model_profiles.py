@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -142,12 +142,7 @@ def tighten_schema(schema: Any, bounds: str | None) -> Any:
         return schema
     items, chars, plain = _parse_bounds(bounds)
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
+    def tighten(out: dict) -> dict:
         if isinstance(out.get("maxItems"), int) and out["maxItems"] > 1:
             out["maxItems"] = max(int(out.get("minItems", 1)), 1, -(-out["maxItems"] // items))
         if isinstance(out.get("maxLength"), int) and out["maxLength"] > MIN_CUT_LENGTH:
@@ -156,4 +151,13 @@ def tighten_schema(schema: Any, bounds: str | None) -> Any:
                 out["pattern"] = plain_pattern(int(out.pop("minLength", 0)), out.pop("maxLength"))
         return out
 
-    return walk(schema)
+    return map_schema_nodes(schema, tighten)
+
+
+def map_schema_nodes(schema: Any, fn: Callable[[dict], dict]) -> Any:
+    """A copy of `schema` with `fn` applied to every object node, children first (`fn` gets a fresh dict)."""
+    if isinstance(schema, list):
+        return [map_schema_nodes(x, fn) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return fn({k: map_schema_nodes(v, fn) for k, v in schema.items()})

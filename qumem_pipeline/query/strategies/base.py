@@ -199,26 +199,21 @@ def alias_constraint(llm: Any, schema: dict, n_shown: int) -> dict | None:
     Why: the embedded 135M model cites "M1_2" for M1 and M2, so every citation of its states was dropped
     and its states rested on nothing (tests/test_dagster_pipeline.py). Larger models cite the aliases as
     shown; their recorded calls keep the schema they were made with."""
-    from qumem_pipeline.llm.model_profiles import output_bounds_of
+    from qumem_pipeline.llm.model_profiles import map_schema_nodes, output_bounds_of
 
     bounds = output_bounds_of(llm) or ""
     if "plain" not in bounds.split(","):
         return None
     shown = [f"M{i}" for i in range(1, n_shown + 1)]
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
+    def only_shown(out: dict) -> dict:
         ids = out.get("properties", {}).get("memory_ids")
         if ids is not None:
             out["properties"] = {**out["properties"], "memory_ids": (
                 {**ids, "items": {"type": "string", "enum": shown}} if shown else {**ids, "maxItems": 0})}
         return out
 
-    return walk(schema)
+    return map_schema_nodes(schema, only_shown)
 
 
 _CITED_ALIAS = re.compile(r"^\W*[Mm]\s*(\d{1,3})\W*$")
