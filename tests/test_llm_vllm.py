@@ -37,7 +37,11 @@ def test_vllm_server_decomposes_episode_with_structured_outputs(tmp_path):
         "vllm-managed",
         model=str(model_dir),
         python=VLLM_PYTHON,
-        served_model_name="smollm2-135m",
+        # a served name outside model_profiles: the full schema and no memory gate. SmolLM2's profile (cut bounds
+        # with the plain-text pattern, the gate tuned to them) belongs to the embedded engine: vLLM 0.32's
+        # xgrammar fails to compile the pattern (grammar_functor.cc "per_rule_fsm_hashes" check), and under the
+        # full schema the gate drops every memory of this episode as near-empty (docs/models.md)
+        served_model_name="vllm-135m",
         # --enforce-eager: no torch.compile warm-up (tens of seconds on 2 cores) for a handful of calls.
         # compact JSON (--structured-outputs-config) is the managed backend's default.
         extra_args=["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--enforce-eager"],
@@ -48,7 +52,7 @@ def test_vllm_server_decomposes_episode_with_structured_outputs(tmp_path):
     pid = managed.proc.pid
     try:
         client = make_backend("openai", base_url=managed.base_url, timeout_s=300, max_retries=1)
-        assert client.model_name == "smollm2-135m"
+        assert client.model_name == "vllm-135m"
         created = datetime(2024, 6, 1, tzinfo=timezone.utc)
         out = decompose_episodes([EPISODE], client, created_at=created, max_tokens=160)
         assert out.memories.schema == MEMORY_SCHEMA
@@ -59,14 +63,14 @@ def test_vllm_server_decomposes_episode_with_structured_outputs(tmp_path):
         assert led.height == 3 and (led["status"] == "ok").all(), led.rows()
         assert (led["completion_tokens"] < 160).all()
         # evidence ids are bounded to the episode by the schema: at least one memory survives
-        assert out.memories.height >= 1, out.summary
+        assert out.memories.height >= 1, out.stats
         assert out.stats.evidence_ids_dropped == 0 and out.stats.memories_dropped_no_evidence == 0
         for row in out.memories.iter_rows(named=True):
             assert row["content"] and row["type"] in {"fact", "preference", "insight"}
             assert row["evidence_turn_ids"] and set(row["evidence_turn_ids"]) <= {4, 5, 6}
             assert row["position"] == max(row["evidence_turn_ids"])
             assert row["valid_from"] == datetime(2024, 1, 1, 9, row["position"] - 4, tzinfo=timezone.utc)
-            assert row["model"] == "smollm2-135m"
+            assert row["model"] == "vllm-135m"
         assert (led["prompt_tokens"] > 0).all() and (led["completion_tokens"] > 0).all()
         assert led["cached_tokens"].null_count() == 0  # --enable-prompt-tokens-details
         print(out.summary, out.memories.select("type", "content").rows())
