@@ -13,7 +13,9 @@ RECORD_ROOT = REPO_ROOT / "eval_record"
 # the dev half (every strategy: where the change was chosen) and the test half (the served default, its baseline and
 # the dev leader: where it was confirmed)
 TABLES = {"personamem_qwen15b_ctx1_dev": {"none", "topk_turns", "qumem", "adamem", "qumem_hybrid"},
-          "personamem_qwen15b_ctx1_test": {"topk_turns", "adamem", "qumem_hybrid"}}
+          "personamem_qwen15b_ctx1_test": {"topk_turns", "adamem", "qumem_hybrid"},
+          # the second answer method: each option's log-likelihood as the reply (the record holds the scores)
+          "personamem_qwen15b_ctx1_dev_likelihood": {"none", "topk_turns", "adamem"}}
 PM = shared_datasets_dir() / "personamem"
 
 
@@ -32,6 +34,11 @@ def test_the_personamem_table_replays_from_the_record_with_no_model(monkeypatch,
     fig = json.loads(path.read_text())["figures"]
     assert fig["replayed"]["missing_calls"] == 0 and fig["n_questions"] > 0
     assert TABLES[table] <= set(fig["accuracy"])
-    assert set(fig["splits"]) == {"dev", "test"} and fig["splits"][table.rsplit("_", 1)[1]] == fig["n_questions"]
+    split = "dev" if "_dev" in table else "test"
+    assert set(fig["splits"]) == {"dev", "test"} and fig["splits"][split] == fig["n_questions"]
+    if "likelihood" in table:  # every option score replayed from the record, none missing
+        assert TABLES[table] <= set(fig["accuracy_likelihood"])
+        assert fig["likelihood_calls"]["missing"] == 0 and fig["likelihood_calls"]["replayed"] > 0
+        assert all(fig["n_scored_likelihood"][s] == fig["n_questions"] for s in TABLES[table])
     for s, v in fig["vs_topk_turns"].items():
         assert 0 < v["n"] <= fig["n_scored"][s] and v["ci95"][0] <= v["delta"] <= v["ci95"][1], s

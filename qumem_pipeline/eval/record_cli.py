@@ -39,7 +39,7 @@ QA_STRATEGY_FIELDS = ("f1", "bleu1", "n", "per_category", "adversarial", "no_ans
 PERSONAMEM_FIELDS = ("n_questions", "distinct_questions", "splits", "prompt_version", "accuracy", "n_scored",
                      "accuracy_by_type", "accuracy_by_split", "vs_topk_turns", "vs_qumem", "accuracy_likelihood",
                      "n_scored_likelihood", "accuracy_by_type_likelihood", "accuracy_by_split_likelihood",
-                     "vs_topk_turns_likelihood", "vs_qumem_likelihood", "llm_calls")
+                     "vs_topk_turns_likelihood", "vs_qumem_likelihood", "likelihood_calls", "llm_calls")
 RECALL_FIELDS = ("retrieval", "retrieval_by_scoring", "retrieval_with_adversarial", "per_category", "strategies",
                  "n_items", "memory_keys")
 
