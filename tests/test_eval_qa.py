@@ -128,6 +128,9 @@ def test_every_strategy_answers_and_is_scored(toy, embedder, tmp_path):
         if "Evidence: the conversation turns the retrieved memories rest on" in text:
             ctx["qumem_evidence"].append(text)
             continue
+        if text.startswith("Inferred state") and "Relevant parts of the conversation" in text:
+            ctx["adamem_turns"].append(text)
+            continue
         for s, marker in [("none", "Context: (none)"), ("full_history", "Session 2 (9 May 2023):"),
                           ("topk_turns", "Relevant parts of the conversation"), ("topk_memories", "Memories about"),
                           ("qumem", "Inferred state")]:
@@ -151,6 +154,10 @@ def test_every_strategy_answers_and_is_scored(toy, embedder, tmp_path):
     assert len(ctx["qumem_evidence"]) == 5
     assert all("[1 May 2023] Ann: I adopted a golden retriever puppy named Rex" in t for t in ctx["qumem_evidence"])
     assert not [t for t in ctx["qumem_evidence"] if "Relevant facts (the memories" in t]
+    # adamem_turns: AdaMem's research notes (replayed, not paid again) in front of the question's top-k turns
+    assert len(ctx["adamem_turns"]) == 5
+    assert all("[1 May 2023] Ann: I adopted a golden retriever puppy named Rex" in t for t in ctx["adamem_turns"])
+    assert not [t for t in ctx["adamem_turns"] if "Relevant facts (the memories" in t]
     # qumem ran A1 -> A2 -> A3 and adamem its research loop, one batch per stage; AdaMem's working answer too
     kinds = [r["body"]["messages"][0]["content"].split(".")[0] for r in requests]
     # qumem_hybrid plans with qumem's very calls: answered from the ledger, not sent again; its A3 sees other candidates
@@ -165,8 +172,9 @@ def test_every_strategy_answers_and_is_scored(toy, embedder, tmp_path):
     assert {r["strategy"] for r in ledger} == set(QA_STRATEGIES)
     assert report["llm_calls"]["ledger_rows"] == len(requests)
     used = report["llm_calls"]["by_strategy_this_run"]  # the calls behind this run's answers, per strategy
-    # qumem_hybrid's A1 and A2, and qumem_evidence's A1, A2 and A3: qumem's calls, not sent again
-    assert report["llm_calls"]["replayed_this_run"] == 5 * 2 + 5 * 3
+    # qumem_hybrid's A1 and A2, and qumem_evidence's A1, A2 and A3: qumem's calls, not sent again; adamem_turns'
+    # research and working answer: adamem's
+    assert report["llm_calls"]["replayed_this_run"] == 5 * 2 + 5 * 3 + 5 * 2
     assert set(used) == set(QA_STRATEGIES)
     assert sum(v["calls"] for v in used.values()) == len(requests) + report["llm_calls"]["replayed_this_run"]
     assert used["none"]["calls"] == 5 and used["qumem"]["calls"] == 5 * 4  # A1, A2, A3, answer
@@ -250,7 +258,7 @@ def test_interrupted_run_resumes_and_asks_only_for_the_rest(toy, embedder, tmp_p
 
     answered_first = {ident(r) for r in first if "json" in r["response"]}
     assert not answered_first & {ident(r) for r in second}, "a call already answered in the first run was sent again"
-    assert len(_answer_requests(second)) == 20  # qumem, adamem, qumem_hybrid and qumem_evidence
+    assert len(_answer_requests(second)) == 25  # qumem, adamem, qumem_hybrid, qumem_evidence and adamem_turns
     a1_first = [r for r in first if "information-need agent" in r["body"]["messages"][0]["content"]]
     a1_second = [r for r in second if "information-need agent" in r["body"]["messages"][0]["content"]]
     assert len(a1_first) == 2 and len(a1_second) == 3  # the first chunk's A1 replayed from the ledger

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from qumem_pipeline.eval.locomo.qa_metrics import (
@@ -78,6 +79,27 @@ def test_paired_difference_by_hand():
     assert mixed["delta"] == 0.0 and mixed["ci95"][0] < 0 < mixed["ci95"][1]
     assert paired_difference([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]) == mixed  # seeded
     assert paired_difference([], []) == {"n": 0, "delta": None, "ci95": None}
+
+
+def test_paired_difference_resamples_a_question_asked_twice_as_one():
+    """PersonaMem's two contexts ask the same questions: the interval over both must not shrink as if
+    the repeats were new questions (a cluster bootstrap by question text)."""
+    from qumem_pipeline.eval.locomo.qa_summary import paired_difference
+
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 2, 60).astype(float), rng.integers(0, 2, 60).astype(float)
+    labels = [f"q{i}" for i in range(60)]
+    once = paired_difference(a, b)
+    twice_rows = paired_difference(np.r_[a, a], np.r_[b, b])
+    twice_clustered = paired_difference(np.r_[a, a], np.r_[b, b], clusters=labels + labels)
+    width = lambda r: r["ci95"][1] - r["ci95"][0]  # noqa: E731
+    assert once["delta"] == twice_rows["delta"] == twice_clustered["delta"]
+    assert width(twice_rows) < 0.8 * width(once)  # rows: the repeats pass for new evidence
+    assert abs(width(twice_clustered) - width(once)) < 0.15 * width(once)
+    assert twice_clustered["clusters"] == 60 and twice_clustered["n"] == 120
+    # one question per cluster resamples like the plain bootstrap (same spread, same point)
+    single = paired_difference(a, b, clusters=labels)
+    assert single["delta"] == once["delta"] and abs(width(single) - width(once)) < 0.15 * width(once)
 
 
 def test_paired_against_uses_only_questions_both_answered():

@@ -165,3 +165,33 @@ def test_an_evaluation_recorded_with_the_embedded_model_replays_with_no_model(tm
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["replay"]["missing"]["calls"] == 0 and again["replay"]["calls_replayed"] == 4
     assert again["accuracy"] == live["accuracy"] and again["vs_topk_turns"] == live["vs_topk_turns"]
+
+
+def test_report_over_two_contexts_resamples_each_question_once():
+    """The same question asked of two contexts is one cluster in the interval; within one context the
+    report resamples rows, as the record's single-context tables were measured."""
+    from types import SimpleNamespace
+
+    from qumem_pipeline.eval.personamem.data import PMQuestion
+    from qumem_pipeline.eval.personamem.run import build_report
+
+    def q(i, ctx):
+        return PMQuestion(f"{ctx}-{i}", f"{ctx}-{i}", ctx, "t", "topic", f"question {i}", tuple(OPTIONS), 0, 9, "test")
+
+    def runs(ctxs):
+        qs = [q(i, c) for c in ctxs for i in range(30)]
+        done = {}
+        for x in qs:
+            i = int(x.key.rsplit("-", 1)[1])
+            done[("topk_turns", x.key)] = {"choice": 0 if i % 2 else 1, "correct": 0, "likelihood_scores": None}
+            done[("adamem", x.key)] = {"choice": 0 if i % 3 else 1, "correct": 0, "likelihood_scores": None}
+        r = SimpleNamespace(data=SimpleNamespace(info={}), skipped={}, _backend=None, scorer=None, replay_only=False)
+        return build_report(qs, ["topk_turns", "adamem"], ["choice"], done, r)
+
+    one, two = runs(["pm-a"]), runs(["pm-a", "pm-b"])
+    assert one["ci_resampling"] == "question" and "clusters" not in one["vs_topk_turns"]["adamem"]
+    assert two["ci_resampling"] == "question text (clusters)"
+    v1, v2 = one["vs_topk_turns"]["adamem"], two["vs_topk_turns"]["adamem"]
+    assert v2["n"] == 60 and v2["clusters"] == 30 and v1["delta"] == v2["delta"]
+    w1, w2 = v1["ci95"][1] - v1["ci95"][0], v2["ci95"][1] - v2["ci95"][0]
+    assert abs(w2 - w1) < 0.2 * w1  # the second context's copies add no independent evidence

@@ -15,7 +15,10 @@ RECORD_ROOT = REPO_ROOT / "eval_record"
 TABLES = {"personamem_qwen15b_ctx1_dev": {"none", "topk_turns", "qumem", "adamem", "qumem_hybrid"},
           "personamem_qwen15b_ctx1_test": {"topk_turns", "adamem", "qumem_hybrid"},
           # the second answer method: each option's log-likelihood as the reply (the record holds the scores)
-          "personamem_qwen15b_ctx1_dev_likelihood": {"none", "topk_turns", "adamem"}}
+          "personamem_qwen15b_ctx1_dev_likelihood": {"none", "topk_turns", "adamem"},
+          # the state in front of the question's top-k turns: chosen on dev, not confirmed on test
+          "personamem_qwen15b_ctx1_dev_state_turns": {"topk_turns", "adamem", "adamem_turns"},
+          "personamem_qwen15b_ctx1_test_state_turns": {"topk_turns", "adamem", "adamem_turns"}}
 PM = shared_datasets_dir() / "personamem"
 
 

@@ -290,7 +290,7 @@ class _QARun:
         self.decompose, self.llm_max_tokens, self.episodes_version = decompose, llm_max_tokens, episodes_version
         if self.replay_only:
             memories_out = None
-        want = any(self.todo(s) for s in strategies if s in MEMORY_STRATEGIES or s == "adamem")
+        want = any(self.todo(s) for s in strategies if s in MEMORY_STRATEGIES or s.startswith("adamem"))
         if want and (memories is not None or decompose):
             from qumem_pipeline.eval.locomo.data import read_memories
 
@@ -613,11 +613,12 @@ def strategy_version(strategy: str) -> str:
     """What besides the answer prompt decides a strategy's answers: for the state strategies the query
     stage's version (its code, model and embedder), so a changed strategy is answered again (the
     ledger still replays every identical call); the other contexts are built here, in the eval."""
-    if strategy in ("qumem", "adamem", "qumem_hybrid", "qumem_evidence"):
-        from qumem_pipeline.eval.locomo.qa_contexts import EVIDENCE_RENDER
+    if strategy in ("qumem", "adamem", "qumem_hybrid", "qumem_evidence", "adamem_turns"):
+        from qumem_pipeline.eval.locomo.qa_contexts import EVIDENCE_RENDER, TURNS_RENDER
         from qumem_pipeline.query.version import stage_version
 
-        return (stage_version("query_states") + (f"; {EVIDENCE_RENDER}" if strategy == "qumem_evidence" else "")
+        render = {"qumem_evidence": f"; {EVIDENCE_RENDER}", "adamem_turns": f"; {TURNS_RENDER}"}.get(strategy, "")
+        return (stage_version("query_states") + render
                 + ("" if state_label_mode() == "expanded" else "; state labels raw"))
     if strategy == "topk_memories":  # ranked by the memories' index keys (text and source turns)
         from qumem_pipeline.index.memory_keys import SOURCE_WEIGHT, keyed_version

@@ -349,6 +349,24 @@ def render_with_evidence(row: "StateRow | None", texts: dict, dates: dict | None
     return "\n".join(head)
 
 
+TURNS_RENDER = ("turns render v1: the state's preference trajectory and insights, then the question's top-k turns "
+                "in conversation order, dated, within the word budget of topk_turns")
+
+
+def render_with_turns(row: "StateRow | None", dates: dict | None, turns_text: str) -> str:
+    """The state's inferences (preference trajectory, insights) in front of the question's own top-k turns.
+
+    Why: on PersonaMem's test half AdaMem's state alone trailed top-k over turns most on the latest
+    preferences (9 of 20 right against 14, table ``personamem_qwen15b_ctx1_test``): a state that kept an
+    earlier preference as the current one hid the order in which the user said things, which the turns
+    keep. The turns get topk_turns' whole budget (the comparison then measures what the state adds), the
+    state's facts are left out (the turns say them in the user's words)."""
+    head = [STATE_HEADER, *(_inferred_lines(row.state, dates) if row is not None and row.state is not None else [])]
+    if len(head) == 1:
+        head.append("- (none inferred)")
+    return "\n".join([*head, turns_text])
+
+
 def _cited_dates(item: dict, dates: dict | None) -> str:
     """' [stated 7 May 2023]' (or a range) from the dates of the units an item cites, '' without any."""
     got = sorted({dates[m] for m in item.get("memory_ids") or [] if dates and dates.get(m) is not None})
@@ -433,10 +451,13 @@ def _contexts(s: str, cx: ConversationContext, part: list[QAQuestion], llm, word
         got = cx.topk_turns(qv, words) if s == "topk_turns" else cx.topk_memories(qv, words)
         return [g[0] for g in got], [{"context_words": g[1]} for g in got]
     states = {"qumem": cx.qumem_states, "qumem_hybrid": cx.hybrid_states, "adamem": cx.adamem_states,
-              "qumem_evidence": cx.qumem_states}[s]
+              "qumem_evidence": cx.qumem_states, "adamem_turns": cx.adamem_states}[s]
     rows = states(part, llm)
     dates, units = cx.unit_dates(), cx.unit_texts()
-    if s == "qumem_evidence":
+    if s == "adamem_turns":  # AdaMem's calls (replayed where adamem made them), then the question's top-k turns
+        turns = cx.topk_turns(emb.encode([q.question for q in part]), words)
+        texts = [render_with_turns(r, dates, t[0]) for r, t in zip(rows, turns)]
+    elif s == "qumem_evidence":
         texts = [render_with_evidence(r, units, dates, words, cx.evidence_turns()) for r in rows]
     else:
         texts = [render_grounded(r, units, dates, words) for r in rows]

@@ -4,7 +4,7 @@ import hashlib
 import json
 
 QA_STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid",
-                 "qumem_evidence")
+                 "qumem_evidence", "adamem_turns")
 MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid", "qumem_evidence")
 HEADLINE = (1, 2, 3, 4)
 DEFAULT_WORDS = 512

@@ -31,18 +31,29 @@ BOOTSTRAP_RESAMPLES = 2000
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
-                      seed: int = 0) -> dict:
+                      seed: int = 0, clusters: Sequence | None = None) -> dict:
     """Mean of a - b over the same questions, with a seeded 95 % percentile bootstrap interval.
 
     Why: a few dozen questions per run make F1 gaps of a few hundredths noise; the interval says
-    whether a gap is one (it straddles 0) before anyone reads a ranking into it."""
+    whether a gap is one (it straddles 0) before anyone reads a ranking into it. ``clusters`` (one label
+    per question) resamples whole clusters instead: PersonaMem's contexts ask the same questions, and
+    counting a question asked twice as two independent draws would narrow the interval falsely."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     if d.size == 0:
         return {"n": 0, "delta": None, "ci95": None}
     rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    if clusters is None:
+        means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    else:
+        labels, inverse = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)
+        sums, counts = np.bincount(inverse, weights=d), np.bincount(inverse).astype(float)
+        pick = rng.integers(0, labels.size, size=(resamples, labels.size))
+        means = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
     lo, hi = np.percentile(means, [2.5, 97.5])
-    return {"n": int(d.size), "delta": round(float(d.mean()), 4), "ci95": [round(float(lo), 4), round(float(hi), 4)]}
+    out = {"n": int(d.size), "delta": round(float(d.mean()), 4), "ci95": [round(float(lo), 4), round(float(hi), 4)]}
+    if clusters is not None:
+        out["clusters"] = int(labels.size)
+    return out
 
 
 def paired_against(selected: Sequence[QAQuestion], run: Sequence[str], done: dict,

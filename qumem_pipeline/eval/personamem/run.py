@@ -43,7 +43,7 @@ from qumem_pipeline.eval.personamem.data import LETTERS, PMQuestion, default_pat
 from qumem_pipeline.eval.personamem.likelihood import OptionScorer, pick
 
 STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid",
-              "qumem_evidence")
+              "qumem_evidence", "adamem_turns")
 MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid", "qumem_evidence")
 METHODS = ("choice", "likelihood")
 DEFAULT_WORDS = 512
@@ -151,7 +151,7 @@ class _Run:
         else:
             self.episodes, self.episodes_version = build_episodes(self.data.conversations, all_users=True)
         self.memories = None
-        if any(s in MEMORY_STRATEGIES or s == "adamem" for s in strategies):
+        if any(s in MEMORY_STRATEGIES or s.startswith("adamem") for s in strategies):
             b = self.backend()
             b.tags = {"strategy": "decompose"}
             t0 = time.perf_counter()
@@ -315,6 +315,10 @@ def build_report(qs, strategies, methods, done, r: _Run) -> dict:
     rep: dict = {"n_questions": len(qs), "distinct_questions": len({q.question for q in qs}),
                  "splits": {sp: sum(1 for q in qs if q.split == sp) for sp in ("dev", "test")},
                  "dataset": r.data.info, "prompt_version": prompts.PROMPT_VERSION, "skipped": r.skipped}
+    # over several contexts the same question is asked of each: resample questions, not rows (one context:
+    # rows, as the record's single-context tables were measured)
+    by_question = len({q.sample_id for q in qs}) > 1
+    rep["ci_resampling"] = "question text (clusters)" if by_question else "question"
     for method in methods:
         suffix = "" if method == "choice" else "_likelihood"
         acc, by_type, by_split, vs_topk, vs_qumem, n = {}, {}, {}, {}, {}, {}
@@ -327,9 +331,10 @@ def build_report(qs, strategies, methods, done, r: _Run) -> dict:
             by_split[s] = _grouped(qs, hits, lambda q: q.split)
             for base, into in (("topk_turns", vs_topk), ("qumem", vs_qumem)):
                 if base in strategies and s != base:
-                    pairs = [(hits[q.key], _hit(done.get((base, q.key)), method)) for q in qs]
-                    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-                    into[s] = paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+                    pairs = [(hits[q.key], _hit(done.get((base, q.key)), method), q.question) for q in qs]
+                    pairs = [p for p in pairs if p[0] is not None and p[1] is not None]
+                    into[s] = paired_difference([p[0] for p in pairs], [p[1] for p in pairs],
+                                                clusters=[p[2] for p in pairs] if by_question else None)
         rep[f"accuracy{suffix}"] = acc
         rep[f"n_scored{suffix}"] = n
         rep[f"accuracy_by_type{suffix}"] = by_type
