@@ -18,7 +18,11 @@ TABLES = {"personamem_qwen15b_ctx1_dev": {"none", "topk_turns", "qumem", "adamem
           "personamem_qwen15b_ctx1_dev_likelihood": {"none", "topk_turns", "adamem"},
           # the state in front of the question's top-k turns: chosen on dev, not confirmed on test
           "personamem_qwen15b_ctx1_dev_state_turns": {"topk_turns", "adamem", "adamem_turns"},
-          "personamem_qwen15b_ctx1_test_state_turns": {"topk_turns", "adamem", "adamem_turns"}}
+          "personamem_qwen15b_ctx1_test_state_turns": {"topk_turns", "adamem", "adamem_turns"},
+          # both contexts of the release: the test halves (the goal's measurement) and everything, intervals
+          # resampling question texts (each question is asked of both contexts)
+          "personamem_qwen15b_ctx12_test": {"none", "topk_turns", "adamem", "adamem_turns"},
+          "personamem_qwen15b_ctx12": {"none", "topk_turns", "adamem", "adamem_turns"}}
 PM = shared_datasets_dir() / "personamem"
 
 
@@ -37,8 +41,11 @@ def test_the_personamem_table_replays_from_the_record_with_no_model(monkeypatch,
     fig = json.loads(path.read_text())["figures"]
     assert fig["replayed"]["missing_calls"] == 0 and fig["n_questions"] > 0
     assert TABLES[table] <= set(fig["accuracy"])
-    split = "dev" if "_dev" in table else "test"
-    assert set(fig["splits"]) == {"dev", "test"} and fig["splits"][split] == fig["n_questions"]
+    split = "dev" if "_dev" in table else "test" if "_test" in table else None
+    assert set(fig["splits"]) == {"dev", "test"}
+    assert (fig["splits"][split] if split else sum(fig["splits"].values())) == fig["n_questions"]
+    if "ctx12" in table:  # two contexts: one cluster per question text, fewer clusters than rows
+        assert all(v["clusters"] == fig["distinct_questions"] < v["n"] for v in fig["vs_topk_turns"].values())
     if "likelihood" in table:  # every option score replayed from the record, none missing
         assert TABLES[table] <= set(fig["accuracy_likelihood"])
         assert fig["likelihood_calls"]["missing"] == 0 and fig["likelihood_calls"]["replayed"] > 0
