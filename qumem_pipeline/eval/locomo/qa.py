@@ -83,8 +83,10 @@ from qumem_pipeline.eval.locomo.qa_prompt import (  # noqa: F401
     DEFAULT_CONTEXT_TOKENS,
     DEFAULT_WORDS,
     HEADLINE,
+    ADAMEM_STRATEGIES,
     MEMORY_STRATEGIES,
     QA_STRATEGIES,
+    STATE_STRATEGIES,
     QUMEM_K,
     answer_messages,
 )
@@ -290,7 +292,7 @@ class _QARun:
         self.decompose, self.llm_max_tokens, self.episodes_version = decompose, llm_max_tokens, episodes_version
         if self.replay_only:
             memories_out = None
-        want = any(self.todo(s) for s in strategies if s in MEMORY_STRATEGIES or s.startswith("adamem"))
+        want = any(self.todo(s) for s in strategies if s in MEMORY_STRATEGIES or s in ADAMEM_STRATEGIES)
         if want and (memories is not None or decompose):
             from qumem_pipeline.eval.locomo.data import read_memories
 
@@ -336,7 +338,7 @@ class _QARun:
             if s in MEMORY_STRATEGIES and self.mem_df is None and self.todo(s):
                 self.skipped[f"strategy_{s}"] = self.skipped.get("memories") or (
                     "needs typed memories: give --memories PARQUET_DIR or --decompose")
-        if "adamem" in strategies and self.mem_df is None and self.todo("adamem"):
+        if self.mem_df is None and any(s in strategies and self.todo(s) for s in ADAMEM_STRATEGIES):
             self.skipped["adamem_without_memories"] = "no memories: adamem retrieved over turns only"
         return [s for s in strategies if f"strategy_{s}" not in self.skipped]
 
@@ -613,7 +615,7 @@ def strategy_version(strategy: str) -> str:
     """What besides the answer prompt decides a strategy's answers: for the state strategies the query
     stage's version (its code, model and embedder), so a changed strategy is answered again (the
     ledger still replays every identical call); the other contexts are built here, in the eval."""
-    if strategy in ("qumem", "adamem", "qumem_hybrid", "qumem_evidence", "adamem_turns"):
+    if strategy in STATE_STRATEGIES:
         from qumem_pipeline.eval.locomo.qa_contexts import EVIDENCE_RENDER, TURNS_RENDER
         from qumem_pipeline.query.version import stage_version
 

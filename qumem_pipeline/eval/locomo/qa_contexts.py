@@ -453,13 +453,15 @@ def _contexts(s: str, cx: ConversationContext, part: list[QAQuestion], llm, word
     states = {"qumem": cx.qumem_states, "qumem_hybrid": cx.hybrid_states, "adamem": cx.adamem_states,
               "qumem_evidence": cx.qumem_states, "adamem_turns": cx.adamem_states}[s]
     rows = states(part, llm)
-    dates, units = cx.unit_dates(), cx.unit_texts()
+    dates = cx.unit_dates()
     if s == "adamem_turns":  # AdaMem's calls (replayed where adamem made them), then the question's top-k turns
         turns = cx.topk_turns(emb.encode([q.question for q in part]), words)
         texts = [render_with_turns(r, dates, t[0]) for r, t in zip(rows, turns)]
-    elif s == "qumem_evidence":
-        texts = [render_with_evidence(r, units, dates, words, cx.evidence_turns()) for r in rows]
+    elif s == "qumem_evidence":  # texts and evidence built once for the chunk, not per question
+        units, evidence = cx.unit_texts(), cx.evidence_turns()
+        texts = [render_with_evidence(r, units, dates, words, evidence) for r in rows]
     else:
+        units = cx.unit_texts()
         texts = [render_grounded(r, units, dates, words) for r in rows]
     return texts, [{"context_words": len(t.split()), "state_ok": r is not None and r.state is not None}
                    for t, r in zip(texts, rows)]

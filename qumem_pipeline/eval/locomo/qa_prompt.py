@@ -5,7 +5,9 @@ import json
 
 QA_STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid",
                  "qumem_evidence", "adamem_turns")
-MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid", "qumem_evidence")
+MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid", "qumem_evidence")  # nothing to show without memories
+ADAMEM_STRATEGIES = ("adamem", "adamem_turns")  # AdaMem's state: uses memories when there are, turns alone otherwise
+STATE_STRATEGIES = ("qumem", "adamem", "qumem_hybrid", "qumem_evidence", "adamem_turns")  # answered from a user state
 HEADLINE = (1, 2, 3, 4)
 DEFAULT_WORDS = 512
 DEFAULT_CHUNK = 32

@@ -36,15 +36,14 @@ from pathlib import Path
 import polars as pl
 
 from qumem_pipeline.eval.locomo.qa_ledger import JsonlLog
+from qumem_pipeline.eval.locomo.qa_prompt import ADAMEM_STRATEGIES, MEMORY_STRATEGIES, QA_STRATEGIES
 from qumem_pipeline.eval.locomo.qa_summary import paired_difference
 from qumem_pipeline.eval.personamem import prompts
 from qumem_pipeline.query.strategies.state_labels import STATE_LABEL_MODES, raw_state_labels, state_label_mode
 from qumem_pipeline.eval.personamem.data import LETTERS, PMQuestion, default_paths, load, up_to
 from qumem_pipeline.eval.personamem.likelihood import OptionScorer, pick
 
-STRATEGIES = ("none", "full_history", "topk_turns", "topk_memories", "qumem", "adamem", "qumem_hybrid",
-              "qumem_evidence", "adamem_turns")
-MEMORY_STRATEGIES = ("topk_memories", "qumem", "qumem_hybrid", "qumem_evidence")
+STRATEGIES = QA_STRATEGIES  # the LoCoMo harness's strategies, built by the same `_contexts`
 METHODS = ("choice", "likelihood")
 DEFAULT_WORDS = 512
 DEFAULT_CONTEXT_TOKENS = 32768  # Qwen2.5's window; the full history is cut to fit it
@@ -151,7 +150,7 @@ class _Run:
         else:
             self.episodes, self.episodes_version = build_episodes(self.data.conversations, all_users=True)
         self.memories = None
-        if any(s in MEMORY_STRATEGIES or s.startswith("adamem") for s in strategies):
+        if any(s in MEMORY_STRATEGIES or s in ADAMEM_STRATEGIES for s in strategies):
             b = self.backend()
             b.tags = {"strategy": "decompose"}
             t0 = time.perf_counter()
