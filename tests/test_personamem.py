@@ -195,3 +195,8 @@ def test_report_over_two_contexts_resamples_each_question_once():
     assert v2["n"] == 60 and v2["clusters"] == 30 and v1["delta"] == v2["delta"]
     w1, w2 = v1["ci95"][1] - v1["ci95"][0], v2["ci95"][1] - v2["ci95"][0]
     assert abs(w2 - w1) < 0.2 * w1  # the second context's copies add no independent evidence
+    # question by question (correct is 0): top-k right on odd i, adamem where i % 3 != 0
+    odd, third = {i for i in range(30) if i % 2}, {i for i in range(30) if i % 3}
+    assert one["agreement_vs_topk_turns"]["adamem"] == {
+        "both": len(odd & third), "neither": 30 - len(odd | third), "only_topk_turns": len(odd - third),
+        "only_adamem": len(third - odd)}

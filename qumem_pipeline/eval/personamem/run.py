@@ -320,7 +320,7 @@ def build_report(qs, strategies, methods, done, r: _Run) -> dict:
     rep["ci_resampling"] = "question text (clusters)" if by_question else "question"
     for method in methods:
         suffix = "" if method == "choice" else "_likelihood"
-        acc, by_type, by_split, vs_topk, vs_qumem, n = {}, {}, {}, {}, {}, {}
+        acc, by_type, by_split, vs_topk, vs_qumem, n, agree = {}, {}, {}, {}, {}, {}, {}
         for s in strategies:
             hits = {q.key: _hit(done.get((s, q.key)), method) for q in qs}
             got = [h for h in hits.values() if h is not None]
@@ -334,12 +334,18 @@ def build_report(qs, strategies, methods, done, r: _Run) -> dict:
                     pairs = [p for p in pairs if p[0] is not None and p[1] is not None]
                     into[s] = paired_difference([p[0] for p in pairs], [p[1] for p in pairs],
                                                 clusters=[p[2] for p in pairs] if by_question else None)
+                    if base == "topk_turns":  # where the two differ, question by question
+                        agree[s] = {"both": sum(1 for p in pairs if p[0] and p[1]),
+                                    "neither": sum(1 for p in pairs if not p[0] and not p[1]),
+                                    "only_topk_turns": sum(1 for p in pairs if p[1] and not p[0]),
+                                    f"only_{s}": sum(1 for p in pairs if p[0] and not p[1])}
         rep[f"accuracy{suffix}"] = acc
         rep[f"n_scored{suffix}"] = n
         rep[f"accuracy_by_type{suffix}"] = by_type
         rep[f"accuracy_by_split{suffix}"] = by_split
         rep[f"vs_topk_turns{suffix}"] = vs_topk
         rep[f"vs_qumem{suffix}"] = vs_qumem
+        rep[f"agreement_vs_topk_turns{suffix}"] = agree
     b = r._backend
     rep["llm_calls"] = {k: dict(v) for k, v in getattr(b, "used", {}).items()} if b is not None else {}
     if r.scorer is not None:
